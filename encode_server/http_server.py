@@ -1,0 +1,153 @@
+"""The FastAPI app: routes, body limits, error bodies, and the model's lifetime.
+
+Routes are thin: `/encode` reads the body under `--max-request-bytes`, decodes the JSON (off the
+event loop when it is large), and races `EncoderService.encode` against the client disconnecting,
+so a caller who hangs up never costs an encoder forward. Every error is the JSON body of CONTRACT
+section 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from PIL import Image
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from processors import load_adapter
+
+from .jobs import EncodeError
+from .schemas import EncodeRequest, request_id_of
+from .service import EncoderService
+from .settings import Settings
+
+log = logging.getLogger("encode_server.http")
+
+#: Bodies above this size are JSON-decoded in a worker thread.
+_INLINE_JSON_LIMIT = 1 << 20
+#: Status for a request whose client went away before its answer (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+def error_response(error: EncodeError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise EncodeError(400, f"bad Content-Length header {declared!r}") from None
+        if size > limit:
+            raise EncodeError(413, f"request body of {size} bytes is above the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise EncodeError(413, f"request body is above the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    if not body:
+        raise EncodeError(400, "empty body: expected a JSON object")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise EncodeError(400, f"body is not valid JSON: {str(exc)[:200]}") from None
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(settings: Settings, adapter=None) -> FastAPI:
+    """The app for `settings`; the model is built at start-up unless an `adapter` is given."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        encoder = adapter or await asyncio.to_thread(load_adapter, settings.model, settings.device, settings.dtype)
+        await asyncio.to_thread(encoder.warmup, Image.new("RGB", (56, 56)))
+        service = EncoderService(settings, encoder)
+        await service.start()
+        app.state.service = service
+        log.info("serving %s (%s) on %s with %s", encoder.info.name, encoder.info.family,
+                 encoder.device, encoder.dtype)
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="encode-server", version="0.1.0", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"status": "error", "message": str(exc.detail), "req_id": None},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.post("/encode", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": EncodeRequest.model_json_schema()}}}})
+    async def encode(request: Request) -> Response:
+        service: EncoderService = request.app.state.service
+        payload: Any = None
+        try:
+            body = await read_body(request, settings.max_request_bytes)
+            if len(body) > _INLINE_JSON_LIMIT:
+                payload = await asyncio.to_thread(parse_json, body)
+            else:
+                payload = parse_json(body)
+            work = asyncio.ensure_future(service.encode(payload))
+            hangup = asyncio.ensure_future(wait_for_disconnect(request))
+            try:
+                await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hangup.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return JSONResponse({"status": "error", "message": "client disconnected",
+                                     "req_id": request_id_of(payload)}, status_code=CLIENT_CLOSED)
+            return JSONResponse(work.result())
+        except EncodeError as error:
+            if error.req_id is None:
+                error.req_id = request_id_of(payload)
+            return error_response(error)
+        except Exception as exc:  # a bug: still answer with the contract's error body
+            log.exception("unexpected error in /encode")
+            return error_response(EncodeError(500, f"internal error: {exc}", request_id_of(payload)))
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        service: EncoderService | None = getattr(request.app.state, "service", None)
+        if service is None or not service.scheduler.running:
+            return JSONResponse({"status": "unhealthy", "message": "encoder is not serving"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/server_info")
+    async def server_info(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.state.service.server_info())
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/performance")
+    async def performance(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.state.service.performance())
+
+    return app

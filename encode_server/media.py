@@ -1,0 +1,249 @@
+"""Fetch and decode one request's media items, each on its own, off the event loop.
+
+Items arrive as URLs, `data:` URIs, bare base64, `{"url"}`/`{"data"}` objects or, for video,
+`{"frames": [...]}`. `parse_item` checks an item's shape without touching its bytes; `MediaLoader`
+fetches URLs with aiohttp and decodes bytes in a thread pool. Every failure is a `MediaError`
+naming the item, so a corrupt item fails only its own request (decode before you fuse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import urllib.parse
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from PIL import Image, UnidentifiedImageError
+
+#: PIL's own bomb guard stays on as a second line; ours (`max_image_pixels`) runs first.
+Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, 200_000_000)
+
+
+class MediaError(ValueError):
+    """An item that cannot be used; `location` names it, e.g. `mm_items[2]`."""
+
+    def __init__(self, location: str, message: str) -> None:
+        super().__init__(f"{location}: {message}")
+        self.location = location
+        self.message = message
+
+
+@dataclass(frozen=True)
+class MediaSource:
+    """Where one item's bytes come from: `url`, `base64`, `data_uri` or `frames` (a list of sources)."""
+
+    kind: str
+    value: Any
+    location: str
+
+
+def _parse_string(text: str, location: str) -> MediaSource:
+    head = text[:16].lower()
+    if head.startswith(("http://", "https://")):
+        return MediaSource("url", text, location)
+    if head.startswith("data:"):
+        return MediaSource("data_uri", text, location)
+    if "://" in text[:32]:
+        scheme = text.split("://", 1)[0]
+        raise MediaError(location, f"unsupported URL scheme {scheme!r}: use http, https or data")
+    if not text.strip():
+        raise MediaError(location, "empty item")
+    return MediaSource("base64", text, location)
+
+
+def parse_item(raw: Any, index: int, modality: str) -> MediaSource:
+    """Check one item's shape (no I/O, no decoding) and say where its bytes come from."""
+    location = f"mm_items[{index}]"
+    if isinstance(raw, str):
+        return _parse_string(raw, location)
+    if not isinstance(raw, dict):
+        raise MediaError(location, f"expected a string or an object, got {type(raw).__name__}")
+    keys = set(raw) & {"url", "data", "frames"}
+    if len(keys) != 1:
+        raise MediaError(location, "an item object needs exactly one of 'url', 'data' or 'frames'")
+    (key,) = keys
+    value = raw[key]
+    if key == "frames":
+        if modality != "video":
+            raise MediaError(location, "'frames' is only for video items")
+        if not isinstance(value, list) or not value:
+            raise MediaError(location, "'frames' must be a non-empty list of image items")
+        frames = []
+        for frame_index, frame in enumerate(value):
+            frame_location = f"{location}.frames[{frame_index}]"
+            if isinstance(frame, dict) and "frames" in frame:
+                raise MediaError(frame_location, "frames cannot nest")
+            source = parse_item(frame, frame_index, "image")
+            frames.append(MediaSource(source.kind, source.value, frame_location))
+        return MediaSource("frames", frames, location)
+    if not isinstance(value, str):
+        raise MediaError(location, f"'{key}' must be a string, got {type(value).__name__}")
+    if key == "url":
+        source = _parse_string(value, location)
+        if source.kind == "base64":
+            raise MediaError(location, "'url' must be an http(s):// or data: URL")
+        return source
+    if not value.strip():
+        raise MediaError(location, "'data' is empty")
+    return MediaSource("base64", value, location)
+
+
+def decode_base64(text: str, location: str) -> bytes:
+    """Standard or URL-safe base64, whitespace allowed; a clear error otherwise."""
+    compact = "".join(text.split()) if any(ws in text for ws in " \n\r\t") else text
+    try:
+        if "-" in compact or "_" in compact:
+            return base64.urlsafe_b64decode(compact + "=" * (-len(compact) % 4))
+        return base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(location, f"not valid base64 ({exc})") from None
+
+
+def decode_data_uri(uri: str, location: str) -> bytes:
+    """The payload of a `data:[<type>][;base64],<data>` URI."""
+    header, sep, payload = uri.partition(",")
+    if not sep:
+        raise MediaError(location, "malformed data URI: no ',' before the payload")
+    if header.lower().endswith(";base64"):
+        return decode_base64(payload, location)
+    return urllib.parse.unquote_to_bytes(payload)
+
+
+def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
+    """An RGB image, refusing images larger than `max_pixels` from their header alone."""
+    if not data:
+        raise MediaError(location, "empty image data")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise MediaError(location, f"image too large: {exc}") from None
+    except UnidentifiedImageError:
+        raise MediaError(location, "not a decodable image (unknown or corrupt format)") from None
+    except Exception as exc:  # PIL raises many types for malformed headers
+        raise MediaError(location, f"cannot read image header: {exc}") from None
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise MediaError(location, f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise MediaError(
+            location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}"
+        )
+    try:
+        image.load()
+        return image.convert("RGB")
+    except Exception as exc:
+        raise MediaError(location, f"cannot decode image: {exc}") from None
+
+
+@dataclass(frozen=True)
+class LoadedItem:
+    """One decoded item and what the model will make of it (e.g. its `ItemLayout`)."""
+
+    decoded: Any
+    layout: Any
+
+
+class MediaLoader:
+    """Fetches and decodes items; decoding runs in `pool`, fetching on one shared aiohttp session."""
+
+    def __init__(self, pool: Executor, max_image_pixels: int, max_fetch_bytes: int,
+                 fetch_timeout_s: float = 30.0) -> None:
+        self._pool = pool
+        self._max_image_pixels = max_image_pixels
+        self._max_fetch_bytes = max_fetch_bytes
+        self._timeout = aiohttp.ClientTimeout(total=fetch_timeout_s, sock_connect=10.0)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def load(self, modality: str, sources: Sequence[MediaSource],
+                   describe: Callable[[str, Any], Any]) -> list[LoadedItem]:
+        """Decode every item concurrently; raise the first item's error in item order."""
+        results = await asyncio.gather(
+            *(self._load_one(modality, source, describe) for source in sources), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)  # type: ignore[arg-type]
+
+    async def _load_one(self, modality: str, source: MediaSource,
+                        describe: Callable[[str, Any], Any]) -> LoadedItem:
+        loop = asyncio.get_running_loop()
+        if source.kind == "frames":
+            frame_bytes = [await self._raw_bytes(frame) for frame in source.value]
+            return await loop.run_in_executor(
+                self._pool, self._decode_frames, frame_bytes, source, modality, describe
+            )
+        raw = await self._raw_bytes(source)
+        return await loop.run_in_executor(self._pool, self._decode, raw, source, modality, describe)
+
+    async def _raw_bytes(self, source: MediaSource) -> bytes | MediaSource:
+        """URL bytes are fetched here; inline sources are decoded later, in the pool."""
+        if source.kind != "url":
+            return source
+        return await self._fetch(source.value, source.location)
+
+    async def _fetch(self, url: str, location: str) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.get(url) as response:
+                if response.status != 200:
+                    raise MediaError(location, f"fetching {url} gave HTTP {response.status}")
+                if response.content_length is not None and response.content_length > self._max_fetch_bytes:
+                    raise MediaError(location, f"{url} is {response.content_length} bytes, above the limit "
+                                               f"of {self._max_fetch_bytes}")
+                chunks, size = [], 0
+                async for chunk in response.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > self._max_fetch_bytes:
+                        raise MediaError(location, f"{url} is larger than {self._max_fetch_bytes} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except MediaError:
+            raise
+        except asyncio.TimeoutError:
+            raise MediaError(location, f"fetching {url} timed out") from None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise MediaError(location, f"could not fetch {url}: {exc}") from None
+
+    def _bytes_of(self, raw: bytes | MediaSource) -> bytes:
+        if isinstance(raw, bytes):
+            return raw
+        if raw.kind == "data_uri":
+            return decode_data_uri(raw.value, raw.location)
+        return decode_base64(raw.value, raw.location)
+
+    def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,
+                describe: Callable[[str, Any], Any]) -> LoadedItem:
+        data = self._bytes_of(raw)
+        if modality in ("image", "video"):
+            decoded: Any = decode_image(data, self._max_image_pixels, source.location)
+        else:
+            raise MediaError(source.location, f"decoding {modality} is not supported by this server")
+        return LoadedItem(decoded, _describe(describe, modality, decoded, source.location))
+
+    def _decode_frames(self, frame_bytes: list[bytes | MediaSource], source: MediaSource, modality: str,
+                       describe: Callable[[str, Any], Any]) -> LoadedItem:
+        frames = [
+            decode_image(self._bytes_of(raw), self._max_image_pixels, frame.location)
+            for raw, frame in zip(frame_bytes, source.value)
+        ]
+        return LoadedItem(frames, _describe(describe, modality, frames, source.location))
+
+
+def _describe(describe: Callable[[str, Any], Any], modality: str, decoded: Any, location: str) -> Any:
+    try:
+        return describe(modality, decoded)
+    except ValueError as exc:  # processors.ItemError is a ValueError
+        raise MediaError(location, str(exc)) from None

@@ -1,0 +1,114 @@
+"""Prometheus metrics and the 60-second `/v1/performance` window.
+
+`ServerMetrics` owns one registry per server (so several servers can live in one test process);
+the scheduler, engine and HTTP layer record into it exactly where decisions are made.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# `*_created` series only add noise to dashboards.
+disable_created_metrics()
+
+# Encoders answer in milliseconds; the default Prometheus buckets start at 5 ms.
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 180.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+@dataclass(frozen=True)
+class _Finished:
+    at: float
+    latency_s: float
+    batch_size: int
+
+
+class PerformanceWindow:
+    """Finished requests of the last `window_s` seconds, summarised for `/v1/performance`."""
+
+    def __init__(self, window_s: float = 60.0, clock=time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._finished: deque[_Finished] = deque()
+
+    def record(self, latency_s: float, batch_size: int) -> None:
+        self._finished.append(_Finished(self._clock(), latency_s, batch_size))
+        self._prune()
+
+    def _prune(self) -> None:
+        horizon = self._clock() - self.window_s
+        while self._finished and self._finished[0].at < horizon:
+            self._finished.popleft()
+
+    def summary(self, max_batch_size: int, queue_depth: int) -> dict:
+        self._prune()
+        finished = list(self._finished)
+        count = len(finished)
+        latencies = sorted(item.latency_s * 1000.0 for item in finished)
+
+        def percentile(q: float) -> float:
+            if not latencies:
+                return 0.0
+            return latencies[min(len(latencies) - 1, int(q * len(latencies)))]
+
+        avg_batch = sum(item.batch_size for item in finished) / count if count else 0.0
+        span = min(self.window_s, max(self._clock() - finished[0].at, 1e-9)) if count else self.window_s
+        return {
+            "window_s": self.window_s,
+            "requests": count,
+            "throughput_rps": count / span if count else 0.0,
+            "latency_ms": {
+                "avg": sum(latencies) / count if count else 0.0,
+                "p50": percentile(0.50),
+                "p99": percentile(0.99),
+            },
+            "avg_batch_size": avg_batch,
+            "batching_efficiency": avg_batch / max_batch_size if max_batch_size else 0.0,
+            "queue_depth": queue_depth,
+        }
+
+
+class ServerMetrics:
+    """Every metric the server exports, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_total = Counter(
+            "encoder_requests_total", "Finished /encode requests by modality and outcome",
+            ["modality", "status"], registry=r)
+        self.batch_size = Histogram(
+            "encoder_batch_size", "Requests fused into one encoder forward", ["modality"],
+            buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "encoder_batch_tokens", "Encoder output tokens in one forward", ["modality"],
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "encoder_queue_wait_seconds", "Time from admission to dispatch in a batch", ["modality"],
+            buckets=SECONDS_BUCKETS, registry=r)
+        self.preprocess = Histogram(
+            "encoder_preprocess_seconds", "Media decode per request, and the processor call per batch",
+            ["modality", "stage"], buckets=SECONDS_BUCKETS, registry=r)
+        self.forward = Histogram(
+            "encoder_forward_seconds", "One encoder forward", ["modality"], buckets=SECONDS_BUCKETS, registry=r)
+        self.transfer = Histogram(
+            "encoder_transfer_seconds", "Delivering one request's embedding", ["modality"],
+            buckets=SECONDS_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "encoder_request_duration_seconds", "Whole /encode requests, admission to answer", ["modality"],
+            buckets=SECONDS_BUCKETS, registry=r)
+        self.pending = Gauge("encoder_pending_requests", "Admitted but unfinished requests", registry=r)
+        self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting in the scheduler queue", registry=r)
+        self.bytes_sent = Counter(
+            "encoder_embedding_bytes_sent_total", "Embedding bytes sent to callers and prefill ranks",
+            registry=r)
+        self.performance = PerformanceWindow()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,179 @@
+"""The one owner of the queue: `EncoderScheduler` forms batches and hands them to the engine.
+
+Other tasks only `submit` a `PendingRequest` and await its future. The scheduler's task drains the
+inbox into per-modality queues, drops requests that were cancelled, disconnected or expired, asks
+the pure policy (`policy.decide`) what to dispatch whenever the engine has room for a batch, and
+otherwise sleeps until the next arrival, the next freed slot, or the policy's deadline. It never
+polls.
+
+Room for a batch: at most `max_in_flight` batches are between dispatch and the end of their
+forward (default 2: one in the forward, the next one preprocessing). So an idle encoder takes a
+request at once, and a busy one collects the next batch meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from .engine import EncoderEngine
+from .jobs import EncodeError, EncodeJob, EncodeOutcome
+from .metrics import ServerMetrics
+from .policy import BatchPolicy, Dispatch, QueuedView, decide
+
+log = logging.getLogger("encode_server.scheduler")
+
+
+class PendingRequest:
+    """A job waiting for its embedding: the job, the future its caller awaits, and its clock times."""
+
+    __slots__ = ("job", "future", "submit_time", "deadline", "view")
+
+    def __init__(self, job: EncodeJob, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+        self.job = job
+        self.future: asyncio.Future[EncodeOutcome] = loop.create_future()
+        self.submit_time = time.monotonic()
+        self.deadline = deadline  # monotonic seconds
+        self.view = QueuedView(arrival=self.submit_time, tokens=job.tokens)
+
+
+class _Views(Sequence[QueuedView]):
+    """A read-only view of a deque of pending requests as the policy sees them (no copying)."""
+
+    def __init__(self, queue: deque[PendingRequest]) -> None:
+        self._queue = queue
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._queue[index].view
+
+
+class EncoderScheduler:
+    """Owns the per-modality queues; applies the policy; dispatches batches to the engine."""
+
+    def __init__(self, engine: EncoderEngine, policy: BatchPolicy, metrics: ServerMetrics,
+                 max_in_flight: int = 2) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+        self.max_in_flight = max_in_flight
+        self._inbox: deque[PendingRequest] = deque()
+        self._queues: dict[str, deque[PendingRequest]] = {}
+        self._wake = asyncio.Event()
+        self._in_flight = 0
+        self._batches: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._inbox) + sum(len(queue) for queue in self._queues.values())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="encoder-scheduler")
+
+    async def stop(self) -> None:
+        """Stop dispatching and fail whatever is still queued with 503."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._absorb_inbox()
+        for queue in self._queues.values():
+            while queue:
+                _fail(queue.popleft(), EncodeError(503, "server is shutting down"))
+        if self._batches:
+            await asyncio.gather(*self._batches, return_exceptions=True)
+
+    def submit(self, pending: PendingRequest) -> None:
+        """Hand a request to the scheduler's task (called from request handlers)."""
+        self._inbox.append(pending)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._absorb_inbox()
+            now = time.monotonic()
+            self._drop_dead(now)
+            timeout: float | None = None
+            while self._in_flight < self.max_in_flight:
+                decision = decide({m: _Views(q) for m, q in self._queues.items() if q}, now, self.policy)
+                if isinstance(decision, Dispatch):
+                    self._dispatch(decision, now)
+                    continue
+                if decision.until is not None:
+                    timeout = max(0.0, decision.until - now)
+                break
+            self.metrics.queue_depth.set(self.queue_depth)
+            if timeout is None:
+                await self._wake.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _absorb_inbox(self) -> None:
+        while self._inbox:
+            pending = self._inbox.popleft()
+            self._queues.setdefault(pending.job.modality, deque()).append(pending)
+
+    def _drop_dead(self, now: float) -> None:
+        """Requests whose callers gave up (cancelled, disconnected, timed out) never reach the encoder."""
+        for queue in self._queues.values():
+            if any(p.future.done() or p.deadline <= now for p in queue):
+                alive = deque()
+                for pending in queue:
+                    if pending.future.done():
+                        continue
+                    if pending.deadline <= now:
+                        _fail(pending, EncodeError(504, "timed out waiting in the queue", pending.job.req_id))
+                        continue
+                    alive.append(pending)
+                queue.clear()
+                queue.extend(alive)
+
+    def _dispatch(self, decision: Dispatch, now: float) -> None:
+        queue = self._queues[decision.modality]
+        batch = [queue.popleft() for _ in range(decision.count)]
+        for pending in batch:
+            self.metrics.queue_wait.labels(decision.modality).observe(now - pending.submit_time)
+        self.metrics.batch_size.labels(decision.modality).observe(len(batch))
+        self._in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._run_batch(decision.modality, batch, now))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _run_batch(self, modality: str, batch: list[PendingRequest], dispatched_at: float) -> None:
+        try:
+            live = [p for p in batch if not p.future.done()]
+            if not live:
+                return
+            outcomes = await self.engine.encode(modality, [p.job for p in live])
+            for pending, outcome in zip(live, outcomes):
+                if isinstance(outcome, EncodeError):
+                    _fail(pending, outcome)
+                elif not pending.future.done():
+                    outcome.timings_ms["queue"] = (dispatched_at - pending.submit_time) * 1e3
+                    pending.future.set_result(outcome)
+        except BaseException as exc:  # never leave a caller waiting
+            for pending in batch:
+                _fail(pending, EncodeError(500, f"batch failed: {exc}", pending.job.req_id))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._in_flight -= 1
+            self._wake.set()
+
+
+def _fail(pending: PendingRequest, error: EncodeError) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(error)

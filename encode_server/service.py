@@ -1,0 +1,205 @@
+"""The encode path from a parsed body to a response, independent of the HTTP framework.
+
+`EncoderService` validates a request, admits it (409 duplicate, 503 overload), decodes its items
+in a thread pool, submits it to the scheduler, awaits its embedding under its deadline (504), and
+builds the response. Every admitted request leaves exactly once, through `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from processors import DTYPE_NAMES, EncoderAdapter
+
+from .engine import EncoderEngine
+from .jobs import EncodeError, EncodeJob, EncodeOutcome
+from .media import MediaError, MediaLoader, parse_item
+from .metrics import ServerMetrics
+from .policy import BatchPolicy
+from .scheduler import EncoderScheduler, PendingRequest
+from .schemas import EncodeRequest, describe_validation_error, request_id_of
+from .settings import Settings
+
+log = logging.getLogger("encode_server.service")
+
+#: Above this many bytes, base64-encoding an embedding moves off the event loop.
+_INLINE_ENCODE_LIMIT = 256 * 1024
+
+
+def embedding_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian row-major bytes of a CPU tensor (bfloat16 through its 16-bit pattern)."""
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    array = tensor.numpy()
+    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+class EncoderService:
+    """Everything one server process needs to answer `/encode`."""
+
+    def __init__(self, settings: Settings, adapter: EncoderAdapter) -> None:
+        self.settings = settings
+        self.adapter = adapter
+        self.metrics = ServerMetrics()
+        self.started_at = time.time()
+        self.policy = BatchPolicy(
+            max_batch_size=settings.max_batch_size,
+            max_wait_s=settings.max_wait_ms / 1000.0,
+            min_batch_size=settings.min_batch_size,
+            hard_timeout_additional_s=settings.hard_timeout_additional_s,
+            max_batch_tokens=settings.max_batch_tokens,
+            dynamic_batching=settings.enable_dynamic_batching,
+        )
+        self._media_pool = ThreadPoolExecutor(settings.media_workers, thread_name_prefix="media")
+        self.media = MediaLoader(self._media_pool, settings.max_image_pixels, settings.max_request_bytes)
+        self.engine = EncoderEngine(adapter, self.metrics)
+        self.scheduler = EncoderScheduler(self.engine, self.policy, self.metrics)
+        self._in_flight: set[tuple[str, int]] = set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._in_flight)
+
+    async def start(self) -> None:
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+        await self.media.close()
+        self.engine.close()
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def encode(self, payload: Any) -> dict[str, Any]:
+        """Answer one `/encode` body (already JSON-decoded). Raises `EncodeError` for any failure."""
+        started = time.monotonic()
+        request = self._validate(payload)
+        key = (request.req_id, request.part_idx)
+        if len(self._in_flight) >= self.settings.max_pending:
+            self.metrics.requests_total.labels(request.modality, "503").inc()
+            raise EncodeError(503, f"overloaded: {self.settings.max_pending} requests pending",
+                              request.req_id, headers={"Retry-After": "1"})
+        if key in self._in_flight:
+            self.metrics.requests_total.labels(request.modality, "409").inc()
+            raise EncodeError(409, f"req_id {request.req_id!r} part {request.part_idx} is already in flight",
+                              request.req_id)
+        self._in_flight.add(key)
+        self.metrics.pending.set(len(self._in_flight))
+        status = "500"
+        try:
+            timeout = min(request.timeout_s or self.settings.req_timeout_s, self.settings.req_timeout_s)
+            deadline = started + timeout
+            response = await asyncio.wait_for(self._encode_admitted(request, deadline), timeout)
+            status = "200"
+            self.metrics.performance.record(time.monotonic() - started, response["batch_size"])
+            return response
+        except asyncio.TimeoutError:
+            status = "504"
+            raise EncodeError(504, f"request timed out after {timeout:g} s", request.req_id) from None
+        except EncodeError as error:
+            status = str(error.status)
+            raise
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            self._in_flight.discard(key)
+            self.metrics.pending.set(len(self._in_flight))
+            self.metrics.requests_total.labels(request.modality, status).inc()
+            elapsed = time.monotonic() - started
+            self.metrics.request_duration.labels(request.modality).observe(elapsed)
+
+    def _validate(self, payload: Any) -> EncodeRequest:
+        if not isinstance(payload, dict):
+            raise EncodeError(400, f"the body must be a JSON object, got {type(payload).__name__}")
+        try:
+            request = EncodeRequest.model_validate(payload)
+        except ValidationError as exc:
+            raise EncodeError(400, describe_validation_error(exc), request_id_of(payload)) from None
+        if not self.adapter.supports(request.modality):
+            supported = ", ".join(self.adapter.info.modalities)
+            raise EncodeError(400, f"model {self.adapter.info.name!r} does not encode {request.modality} "
+                                   f"(it encodes: {supported})", request.req_id)
+        if request.timeout_s is not None and request.timeout_s > self.settings.req_timeout_s:
+            raise EncodeError(400, f"timeout_s {request.timeout_s:g} is above the server's limit of "
+                                   f"{self.settings.req_timeout_s:g} s", request.req_id)
+        if request.prefill_host is not None or request.embedding_port is not None:
+            raise EncodeError(400, "ZMQ delivery (prefill_host, embedding_port) is not available in this "
+                                   "build; use return_embedding", request.req_id)
+        return request
+
+    async def _encode_admitted(self, request: EncodeRequest, deadline: float) -> dict[str, Any]:
+        decode_started = time.perf_counter()
+        try:
+            sources = [parse_item(raw, index, request.modality) for index, raw in enumerate(request.mm_items)]
+            loaded = await self.media.load(request.modality, sources, self.adapter.item_layout)
+        except MediaError as exc:
+            raise EncodeError(400, str(exc), request.req_id) from None
+        decode_s = time.perf_counter() - decode_started
+        self.metrics.preprocess.labels(request.modality, "decode").observe(decode_s)
+
+        job = EncodeJob(
+            req_id=request.req_id, part_idx=request.part_idx, num_parts=request.num_parts,
+            modality=request.modality, items=[item.decoded for item in loaded],
+            layouts=[item.layout for item in loaded], preprocess_s=decode_s,
+        )
+        pending = PendingRequest(job, deadline, asyncio.get_running_loop())
+        self.scheduler.submit(pending)
+        outcome = await pending.future
+        return await self._response(request, outcome)
+
+    async def _response(self, request: EncodeRequest, outcome: EncodeOutcome) -> dict[str, Any]:
+        embedding = outcome.embedding
+        response: dict[str, Any] = {
+            "req_id": request.req_id,
+            "part_idx": request.part_idx,
+            "num_parts": request.num_parts,
+            "modality": request.modality,
+            "embedding_shape": list(embedding.shape),
+            "dtype": DTYPE_NAMES[embedding.dtype],
+            "items": [layout.as_json() for layout in outcome.layouts],
+            "batch_size": outcome.batch_size,
+            "timings_ms": {"queue": 0.0, "preprocess": 0.0, "encode": 0.0, "transfer": 0.0, **outcome.timings_ms},
+        }
+        if request.return_embedding:
+            transfer_started = time.perf_counter()
+            nbytes = embedding.numel() * embedding.element_size()
+            if nbytes > _INLINE_ENCODE_LIMIT:
+                encoded = await asyncio.to_thread(_b64_embedding, embedding)
+            else:
+                encoded = _b64_embedding(embedding)
+            response["embedding"] = encoded
+            transfer_s = time.perf_counter() - transfer_started
+            response["timings_ms"]["transfer"] = transfer_s * 1e3
+            self.metrics.transfer.labels(request.modality).observe(transfer_s)
+            self.metrics.bytes_sent.inc(nbytes)
+        return response
+
+    def server_info(self) -> dict[str, Any]:
+        info = self.adapter.info
+        return {
+            "settings": self.settings.public_dict(),
+            "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
+                      "hidden_size": info.hidden_size, "device": str(self.adapter.device),
+                      "dtype": DTYPE_NAMES[self.adapter.dtype]},
+            "ranks": [{"rank": 0, "pid": os.getpid(), "role": "tp", "alive": True}],
+            "pending": self.pending,
+            "queue_depth": self.scheduler.queue_depth,
+            "uptime_s": time.time() - self.started_at,
+        }
+
+    def performance(self) -> dict[str, Any]:
+        return self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
+
+
+def _b64_embedding(embedding: torch.Tensor) -> str:
+    return base64.b64encode(embedding_bytes(embedding)).decode("ascii")

@@ -1,0 +1,20 @@
+"""Encoder families behind one adapter interface; `load_adapter` picks one by name or folder."""
+
+from __future__ import annotations
+
+from .base import DTYPE_NAMES, EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch, resolve_device, resolve_dtype
+from .builtin import BUILTIN_MODELS
+
+__all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",
+           "BUILTIN_MODELS"]
+
+
+def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> EncoderAdapter:
+    """The encoder for a built-in model name (checkpoint folders come with the model-families work)."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    builder = BUILTIN_MODELS.get(model)
+    if builder is None:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ValueError(f"unknown model {model!r}: expected a built-in name ({known})")
+    return builder(torch_device, torch_dtype)

@@ -1,0 +1,110 @@
+"""The model-adapter interface: how the service talks to an encoder family.
+
+An adapter turns decoded media items into encoder inputs with one processor call for a whole batch
+(`preprocess`), runs one forward for the batch (`forward`), and knows how many output rows each
+item produces (`item_layout`, from the model's own grid). `split_rows` checks those counts against
+the forward's actual row count and slices the output per item. Nothing here knows about HTTP,
+queues or time: the scheduler and engine only call these methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ItemError(ValueError):
+    """An item the model cannot take (too small, wrong aspect ratio, ...); its request gets a 400."""
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """How many embedding rows one item becomes, and the model's grid for it."""
+
+    tokens: int
+    grid_thw: tuple[int, int, int]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "grid_thw": list(self.grid_thw)}
+
+
+@dataclass
+class PreparedBatch:
+    """A batch's encoder inputs from one processor call, with each item's expected layout."""
+
+    modality: str
+    inputs: dict[str, torch.Tensor]
+    layouts: list[ItemLayout]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(layout.tokens for layout in self.layouts)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `/server_info` says about the loaded encoder."""
+
+    name: str
+    family: str
+    modalities: tuple[str, ...]
+    hidden_size: int
+
+
+class EncoderAdapter(ABC):
+    """One encoder family: preprocessing, the forward, and per-item token counts."""
+
+    info: ModelInfo
+    device: torch.device
+    dtype: torch.dtype
+
+    def supports(self, modality: str) -> bool:
+        return modality in self.info.modalities
+
+    @abstractmethod
+    def item_layout(self, modality: str, item: Any) -> ItemLayout:
+        """The rows one decoded item will produce; cheap (no pixels touched). Raises ItemError."""
+
+    @abstractmethod
+    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
+        """One processor call for all items of a batch (CPU work, runs in a thread)."""
+
+    @abstractmethod
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """One encoder forward for the batch: rows of all items concatenated, `[tokens, hidden]`, on CPU."""
+
+    def warmup(self, sample: Any, modality: str = "image") -> None:
+        """One forward on a tiny input, so the first real request does not pay for lazy initialisation."""
+        self.forward(self.preprocess(modality, [sample]))
+
+    def split_rows(self, batch: PreparedBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Slice the forward's output per item, checked against the grid-derived counts."""
+        expected = batch.total_tokens
+        if rows.shape[0] != expected:
+            raise RuntimeError(
+                f"{self.info.family}: forward produced {rows.shape[0]} rows but the items' grids "
+                f"account for {expected}"
+            )
+        return list(torch.split(rows, [layout.tokens for layout in batch.layouts]))
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` means cuda when it is available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` means bfloat16 on cuda and float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
