@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from PIL import Image
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -82,7 +81,7 @@ def create_app(settings: Settings, adapter=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         encoder = adapter or await asyncio.to_thread(load_adapter, settings.model, settings.device, settings.dtype)
-        await asyncio.to_thread(encoder.warmup, Image.new("RGB", (56, 56)))
+        await asyncio.to_thread(encoder.warmup)
         service = EncoderService(settings, encoder)
         await service.start()
         app.state.service = service

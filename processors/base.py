@@ -78,9 +78,14 @@ class EncoderAdapter(ABC):
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         """One encoder forward for the batch: rows of all items concatenated, `[tokens, hidden]`, on CPU."""
 
-    def warmup(self, sample: Any, modality: str = "image") -> None:
+    @abstractmethod
+    def sample_item(self) -> tuple[str, Any]:
+        """A tiny decoded item of a supported modality, for warm-up and health probes."""
+
+    def warmup(self) -> None:
         """One forward on a tiny input, so the first real request does not pay for lazy initialisation."""
-        self.forward(self.preprocess(modality, [sample]))
+        modality, item = self.sample_item()
+        self.forward(self.preprocess(modality, [item]))
 
     def split_rows(self, batch: PreparedBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Slice the forward's output per item, checked against the grid-derived counts."""

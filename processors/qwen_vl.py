@@ -42,6 +42,9 @@ class QwenVisionAdapter(EncoderAdapter):
         self.min_pixels = int(image_processor.size.shortest_edge)
         self.max_pixels = int(image_processor.size.longest_edge)
 
+    def sample_item(self) -> tuple[str, Any]:
+        return "image", Image.new("RGB", (56, 56), (128, 128, 128))
+
     def item_layout(self, modality: str, item: Any) -> ItemLayout:
         if not isinstance(item, Image.Image):
             raise ItemError(f"expected an image, got {type(item).__name__}")
