@@ -180,3 +180,7 @@ def settings_table_markdown() -> str:
         default = str(option.default).lower() if isinstance(option.default, bool) else option.default
         rows.append(f"| `{option.flag}` | {env} | `{default}` | {option.help} |")
     return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m encode_server.settings prints the README's table
+    print(settings_table_markdown())
