@@ -18,10 +18,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     import uvicorn  # imported late so that --help answers fast
 
+    from processors import load_adapter
+
     from .http_server import create_app
 
+    try:
+        adapter = load_adapter(settings.model, settings.device, settings.dtype)
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, adapter),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 #: PIL's own bomb guard stays on as a second line; ours (`max_image_pixels`) runs first.
@@ -141,6 +142,90 @@ def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
         raise MediaError(location, f"cannot decode image: {exc}") from None
 
 
+def decode_audio(data: bytes, sample_rate: int, max_seconds: float, location: str) -> np.ndarray:
+    """A mono float32 waveform at `sample_rate`, refusing clips over `max_seconds` from the header."""
+    import librosa
+    import soundfile
+
+    if not data:
+        raise MediaError(location, "empty audio data")
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception:
+        raise MediaError(location, "not a decodable audio file (WAV, FLAC or OGG expected)") from None
+    if info.samplerate <= 0 or info.frames <= 0:
+        raise MediaError(location, "audio has no samples")
+    duration = info.frames / info.samplerate
+    if duration > max_seconds:
+        raise MediaError(location, f"audio of {duration:.2f} s is longer than the limit of {max_seconds:g} s")
+    try:
+        wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:
+        raise MediaError(location, f"cannot decode audio: {exc}") from None
+    mono = wave.mean(axis=1)
+    if rate != sample_rate:
+        mono = librosa.resample(mono, orig_sr=rate, target_sr=sample_rate)
+    if not np.isfinite(mono).all():
+        raise MediaError(location, "audio holds NaN or infinite samples")
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, location: str) -> list[Image.Image]:
+    """Frames of a video file sampled at `fps` (at most `max_frames`, spread evenly), decoded with PyAV."""
+    try:
+        import av
+    except ImportError:
+        raise MediaError(location, "video files need the optional 'video' extra (PyAV); "
+                                   "send {\"frames\": [...]} instead") from None
+    try:
+        container = av.open(io.BytesIO(data))
+    except Exception:
+        raise MediaError(location, "not a decodable video file") from None
+    with container:
+        if not container.streams.video:
+            raise MediaError(location, "the file has no video stream")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > max_pixels:
+            raise MediaError(location, f"video frames of {width}x{height} pixels are above the limit of {max_pixels}")
+        duration = None
+        if stream.duration is not None and stream.time_base is not None:
+            duration = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            duration = container.duration / 1_000_000
+        if duration and duration > 0:
+            count = max(1, min(max_frames, int(np.ceil(duration * fps))))
+            targets = [index * duration / count for index in range(count)]
+        else:
+            targets = [index / fps for index in range(max_frames)]
+        frames: list[Image.Image] = []
+        try:
+            for frame in container.decode(stream):
+                if len(frames) >= len(targets):
+                    break
+                when = float(frame.time) if frame.time is not None else len(frames) / fps
+                if when + 1e-6 >= targets[len(frames)]:
+                    frames.append(frame.to_image().convert("RGB"))
+        except Exception as exc:
+            if not frames:
+                raise MediaError(location, f"cannot decode video: {exc}") from None
+    if not frames:
+        raise MediaError(location, "the video has no decodable frames")
+    return frames
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What decoding may accept and produce."""
+
+    max_image_pixels: int = 50_000_000
+    max_fetch_bytes: int = 64 * 1024 * 1024
+    audio_sample_rate: int = 16000
+    max_audio_seconds: float = 30.0
+    video_fps: float = 2.0
+    max_video_frames: int = 32
+
+
 @dataclass(frozen=True)
 class LoadedItem:
     """One decoded item and what the model will make of it (e.g. its `ItemLayout`)."""
@@ -152,13 +237,24 @@ class LoadedItem:
 class MediaLoader:
     """Fetches and decodes items; decoding runs in `pool`, fetching on one shared aiohttp session."""
 
-    def __init__(self, pool: Executor, max_image_pixels: int, max_fetch_bytes: int,
-                 fetch_timeout_s: float = 30.0) -> None:
+    def __init__(self, pool: Executor, limits: MediaLimits, fetch_timeout_s: float = 30.0) -> None:
         self._pool = pool
-        self._max_image_pixels = max_image_pixels
-        self._max_fetch_bytes = max_fetch_bytes
+        self.limits = limits
+        self._max_fetch_bytes = limits.max_fetch_bytes
         self._timeout = aiohttp.ClientTimeout(total=fetch_timeout_s, sock_connect=10.0)
         self._session: aiohttp.ClientSession | None = None
+
+    def warmup(self, modalities: Sequence[str]) -> None:
+        """Import and exercise the decoders once, so the first request does not pay for it."""
+        if "audio" in modalities:
+            import librosa
+
+            librosa.resample(np.zeros(1600, dtype=np.float32), orig_sr=16000, target_sr=8000)
+        if "video" in modalities:
+            try:
+                import av  # noqa: F401
+            except ImportError:
+                pass
 
     async def close(self) -> None:
         if self._session is not None:
@@ -180,6 +276,9 @@ class MediaLoader:
                         describe: Callable[[str, Any], Any]) -> LoadedItem:
         loop = asyncio.get_running_loop()
         if source.kind == "frames":
+            if len(source.value) > self.limits.max_video_frames:
+                raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
+                                                  f"{self.limits.max_video_frames}")
             frame_bytes = [await self._raw_bytes(frame) for frame in source.value]
             return await loop.run_in_executor(
                 self._pool, self._decode_frames, frame_bytes, source, modality, describe
@@ -227,16 +326,21 @@ class MediaLoader:
     def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,
                 describe: Callable[[str, Any], Any]) -> LoadedItem:
         data = self._bytes_of(raw)
-        if modality in ("image", "video"):
-            decoded: Any = decode_image(data, self._max_image_pixels, source.location)
+        limits = self.limits
+        decoded: Any
+        if modality == "image":
+            decoded = decode_image(data, limits.max_image_pixels, source.location)
+        elif modality == "audio":
+            decoded = decode_audio(data, limits.audio_sample_rate, limits.max_audio_seconds, source.location)
         else:
-            raise MediaError(source.location, f"decoding {modality} is not supported by this server")
+            decoded = decode_video(data, limits.video_fps, limits.max_video_frames, limits.max_image_pixels,
+                                   source.location)
         return LoadedItem(decoded, _describe(describe, modality, decoded, source.location))
 
     def _decode_frames(self, frame_bytes: list[bytes | MediaSource], source: MediaSource, modality: str,
                        describe: Callable[[str, Any], Any]) -> LoadedItem:
         frames = [
-            decode_image(self._bytes_of(raw), self._max_image_pixels, frame.location)
+            decode_image(self._bytes_of(raw), self.limits.max_image_pixels, frame.location)
             for raw, frame in zip(frame_bytes, source.value)
         ]
         return LoadedItem(frames, _describe(describe, modality, frames, source.location))

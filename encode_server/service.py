@@ -22,7 +22,7 @@ from processors import DTYPE_NAMES, EncoderAdapter
 
 from .engine import EncoderEngine
 from .jobs import EncodeError, EncodeJob, EncodeOutcome
-from .media import MediaError, MediaLoader, parse_item
+from .media import MediaError, MediaLimits, MediaLoader, parse_item
 from .metrics import ServerMetrics
 from .policy import BatchPolicy
 from .scheduler import EncoderScheduler, PendingRequest
@@ -61,7 +61,12 @@ class EncoderService:
             dynamic_batching=settings.enable_dynamic_batching,
         )
         self._media_pool = ThreadPoolExecutor(settings.media_workers, thread_name_prefix="media")
-        self.media = MediaLoader(self._media_pool, settings.max_image_pixels, settings.max_request_bytes)
+        limits = MediaLimits(
+            max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
+            audio_sample_rate=getattr(adapter, "sampling_rate", 16000), max_audio_seconds=settings.max_audio_seconds,
+            video_fps=settings.video_fps, max_video_frames=settings.max_video_frames,
+        )
+        self.media = MediaLoader(self._media_pool, limits)
         self.engine = EncoderEngine(adapter, self.metrics)
         self.scheduler = EncoderScheduler(self.engine, self.policy, self.metrics)
         self._in_flight: set[tuple[str, int]] = set()
@@ -71,6 +76,7 @@ class EncoderService:
         return len(self._in_flight)
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.media.warmup, self.adapter.info.modalities)
         self.scheduler.start()
 
     async def stop(self) -> None:

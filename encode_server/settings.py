@@ -50,7 +50,8 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("--model", str, "tiny-qwen2.5-vl",
-           "a built-in model name: tiny-qwen2.5-vl"),
+           "a built-in model name (tiny-qwen2.5-vl, tiny-internvl, tiny-qwen2-audio) or the path of a local "
+           "Hugging Face checkpoint folder (qwen2_5_vl, internvl or qwen2_audio)"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),
     Option("--device", str, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N"),
@@ -75,6 +76,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-request-bytes", int, 64 * 1024 * 1024, "larger request bodies get 413"),
     Option("--max-image-pixels", int, 50_000_000,
            "larger images are refused (400) from their header, before they are decoded in full"),
+    Option("--max-audio-seconds", float, 30.0,
+           "longer audio clips are refused (400); the model's own window caps it too"),
+    Option("--video-fps", float, 2.0, "frames per second sampled from a video file"),
+    Option("--max-video-frames", int, 32,
+           "most frames taken from one video: a file is sampled down to it, a longer frame list is refused"),
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
@@ -100,18 +106,24 @@ class Settings:
     req_timeout_s: float = 180.0
     max_request_bytes: int = 64 * 1024 * 1024
     max_image_pixels: int = 50_000_000
+    max_audio_seconds: float = 30.0
+    video_fps: float = 2.0
+    max_video_frames: int = 32
     media_workers: int = 4
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
-                    "max_image_pixels", "media_workers")
+                    "max_image_pixels", "media_workers", "max_video_frames")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
+        for name in ("max_audio_seconds", "video_fps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.req_timeout_s <= 0:
             raise ValueError(f"--req-timeout-s must be positive, got {self.req_timeout_s}")
         if not 0 <= self.port <= 65535:

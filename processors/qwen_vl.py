@@ -1,35 +1,59 @@
-"""Qwen2.5-VL vision tower and merger as an encoder adapter (images).
+"""Qwen2.5-VL vision tower and merger as an encoder adapter: images and videos.
 
-An image of `h x w` pixels is resized by the processor to multiples of `patch_size * merge_size`,
-cut into a `1 x gh x gw` grid of patches, and merged `merge_size^2` patches to one output row, so
-it yields `gh * gw / merge_size^2` rows. The tower attends within each image (and its windows)
-only, so an image's rows do not depend on the other images fused into the same forward.
+An image of `h x w` pixels is resized to multiples of `patch_size * merge_size` (within the
+processor's pixel range), cut into a `1 x gh x gw` grid of patches, and every `merge_size^2`
+patches merge into one output row: `gh * gw / merge_size^2` rows. A video is a list of frames,
+resized alike (with the video pixel range) and grouped `temporal_patch_size` frames per temporal
+patch, the last frame repeated to fill the final group: a `t x gh x gw` grid. Two identical frames
+therefore make the same temporal patch an image would (the processor repeats an image's frame).
+
+The tower attends within each image or video (and its windows) only, so an item's rows do not
+depend on the items fused beside it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
 
+#: Qwen2-VL's video processor defaults (pixels per frame), used when a folder has no video config.
+DEFAULT_VIDEO_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_VIDEO_MAX_PIXELS = 768 * 28 * 28
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """Per-frame pixel range for videos (the image range lives in the image processor)."""
+
+    min_pixels: int = DEFAULT_VIDEO_MIN_PIXELS
+    max_pixels: int = DEFAULT_VIDEO_MAX_PIXELS
+
 
 class QwenVisionAdapter(EncoderAdapter):
-    """Runs a `Qwen2_5_VisionTransformerPretrainedModel` on images prepared by a Qwen2-VL processor."""
+    """Runs a `Qwen2_5_VisionTransformerPretrainedModel` on images and videos."""
 
-    def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any,
-                 device: torch.device, dtype: torch.dtype, family: str = "qwen2_5_vl") -> None:
-        self.tower = tower.to(device=device, dtype=dtype).eval()
+    def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any, device: torch.device,
+                 dtype: torch.dtype, video: VideoSettings | None = None, family: str = "qwen2_5_vl") -> None:
+        self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
+        self.tower = self.encoder["visual"]
         self.image_processor = image_processor
+        self.video = video or VideoSettings()
         self.device = device
         self.dtype = dtype
         config = tower.config
         self.merge_size = int(config.spatial_merge_size)
-        self.info = ModelInfo(name=name, family=family, modalities=("image",),
+        self.temporal_patch_size = int(config.temporal_patch_size)
+        self.info = ModelInfo(name=name, family=family, modalities=("image", "video"),
                               hidden_size=int(config.out_hidden_size))
         processor_patch = int(image_processor.patch_size)
         processor_merge = int(image_processor.merge_size)
@@ -45,28 +69,63 @@ class QwenVisionAdapter(EncoderAdapter):
     def sample_item(self) -> tuple[str, Any]:
         return "image", Image.new("RGB", (56, 56), (128, 128, 128))
 
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if not isinstance(item, Image.Image):
-            raise ItemError(f"expected an image, got {type(item).__name__}")
-        width, height = item.size
-        factor = self.patch_size * self.merge_size
+    # --- layouts ---------------------------------------------------------------------------------
+
+    def _resized(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
         try:
-            resized_h, resized_w = smart_resize(height, width, factor=factor,
-                                                min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+            return smart_resize(height, width, factor=self.patch_size * self.merge_size,
+                                min_pixels=min_pixels, max_pixels=max_pixels)
         except ValueError as exc:
             raise ItemError(f"image of {width}x{height} pixels: {exc}") from None
+
+    def item_layout(self, modality: str, item: Any) -> ItemLayout:
+        if modality == "video":
+            if not isinstance(item, list) or not item or not all(isinstance(f, Image.Image) for f in item):
+                raise ItemError("expected a video as a non-empty list of frames")
+            resized_h, resized_w = self._resized(*item[0].size, self.video.min_pixels, self.video.max_pixels)
+            grid_t = -(-len(item) // self.temporal_patch_size)
+        else:
+            if not isinstance(item, Image.Image):
+                raise ItemError(f"expected an image, got {type(item).__name__}")
+            resized_h, resized_w = self._resized(*item.size, self.min_pixels, self.max_pixels)
+            grid_t = 1
         grid_h, grid_w = resized_h // self.patch_size, resized_w // self.patch_size
-        return ItemLayout(tokens=grid_h * grid_w // (self.merge_size**2), grid_thw=(1, grid_h, grid_w))
+        return ItemLayout(tokens=grid_t * grid_h * grid_w // (self.merge_size**2), grid_thw=(grid_t, grid_h, grid_w))
+
+    # --- preprocessing ---------------------------------------------------------------------------
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        processed = self.image_processor(images=list(items), return_tensors="pt")
-        grid = processed["image_grid_thw"]
+        if modality == "video":
+            pieces = [self._video_patches(frames) for frames in items]
+            pixels = torch.cat([patches for patches, _ in pieces])
+            grid = torch.tensor([grid for _, grid in pieces], dtype=torch.long)
+        else:
+            processed = self.image_processor(images=list(items), return_tensors="pt")
+            pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
         layouts = [
             ItemLayout(tokens=int(t * h * w) // (self.merge_size**2), grid_thw=(int(t), int(h), int(w)))
             for t, h, w in grid.tolist()
         ]
-        return PreparedBatch(modality=modality, layouts=layouts,
-                             inputs={"pixel_values": processed["pixel_values"], "grid_thw": grid})
+        return PreparedBatch(modality=modality, layouts=layouts, inputs={"pixel_values": pixels, "grid_thw": grid})
+
+    def _video_patches(self, frames: Sequence[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Patches of a clip in the tower's layout: `(t, gh/m, gw/m, m, m)` rows of `(C, tps, ps, ps)`."""
+        first = frames[0].size
+        frames = [frame if frame.size == first else frame.resize(first, Image.Resampling.BICUBIC)
+                  for frame in frames]
+        size = {"shortest_edge": self.video.min_pixels, "longest_edge": self.video.max_pixels}
+        processed = self.image_processor(images=list(frames), size=size, return_tensors="np")
+        _, grid_h, grid_w = (int(v) for v in processed["image_grid_thw"][0])
+        channels, tps, ps = 3, self.temporal_patch_size, self.patch_size
+        # The image processor repeats each frame over the temporal axis; keep one copy per frame.
+        per_frame = processed["pixel_values"].reshape(len(frames), grid_h * grid_w, channels, tps, ps, ps)[:, :, :, 0]
+        if pad := -len(frames) % tps:
+            per_frame = np.concatenate([per_frame, np.repeat(per_frame[-1:], pad, axis=0)])
+        grid_t = per_frame.shape[0] // tps
+        # (t, tps, rows, C, ps, ps) -> (t, rows, C, tps, ps, ps)
+        grouped = per_frame.reshape(grid_t, tps, grid_h * grid_w, channels, ps, ps).transpose(0, 2, 3, 1, 4, 5)
+        patches = np.ascontiguousarray(grouped).reshape(grid_t * grid_h * grid_w, channels * tps * ps * ps)
+        return torch.from_numpy(patches), (grid_t, grid_h, grid_w)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -74,3 +133,32 @@ class QwenVisionAdapter(EncoderAdapter):
         grid = batch.inputs["grid_thw"].to(self.device)
         rows = self.tower(pixels, grid_thw=grid).pooler_output
         return rows.to("cpu").contiguous()
+
+
+def _video_settings(folder: Path) -> VideoSettings:
+    path = folder / "video_preprocessor_config.json"
+    if not path.is_file():
+        return VideoSettings()
+    config = json.loads(path.read_text())
+    size = config.get("size") or {}
+    return VideoSettings(
+        min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or DEFAULT_VIDEO_MIN_PIXELS),
+        max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or DEFAULT_VIDEO_MAX_PIXELS),
+    )
+
+
+def qwen25_vl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> QwenVisionAdapter:
+    """The vision tower and merger of a Qwen2.5-VL checkpoint; the language model is never built."""
+    from transformers import AutoImageProcessor, Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from .checkpoint import build_without_init, load_encoder_weights
+
+    config = Qwen2_5_VLConfig.from_pretrained(folder)
+    vision_config = config.vision_config
+    vision_config._attn_implementation = "sdpa"
+    tower = build_without_init(lambda: Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config))
+    container = torch.nn.ModuleDict({"visual": tower})
+    load_encoder_weights(container, folder)
+    processor = AutoImageProcessor.from_pretrained(folder)
+    return QwenVisionAdapter(folder.name, tower, processor, device, dtype, video=_video_settings(folder))

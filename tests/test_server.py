@@ -73,7 +73,7 @@ def test_health_server_info_and_metric_names(default_server):
     assert httpx.get(default_server.url + "/health").json() == {"status": "ok"}
     info = httpx.get(default_server.url + "/server_info").json()
     assert info["model"]["name"] == "tiny-qwen2.5-vl"
-    assert info["model"]["modalities"] == ["image"]
+    assert info["model"]["modalities"] == ["image", "video"]
     assert info["model"]["hidden_size"] == 128
     assert info["settings"]["max_batch_size"] == 32
     assert info["ranks"] == [{"rank": 0, "pid": default_server.proc.pid, "role": "tp", "alive": True}]

@@ -1,0 +1,99 @@
+"""Encoder-only loading from a Hugging Face checkpoint folder.
+
+The family comes from `config.json`'s `model_type`. Only the encoder's modules are built (the
+language model never is), with weight initialisation skipped, and only the encoder's tensors are
+read from the safetensors files (sharded ones through `model.safetensors.index.json`), each one
+memory-mapped and read on its own. Checkpoint keys may carry a leading `model.` (the layout
+`transformers` uses in memory) or not (the layout of published checkpoints); both are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers.initialization import no_init_weights
+
+from .base import EncoderAdapter
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be served; the message says what is wrong."""
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _shard_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {key: folder / name for key, name in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as handle:
+            return {key: single for key in handle.keys()}
+    raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def load_encoder_weights(module: torch.nn.Module, folder: Path) -> None:
+    """Fill `module` (built without init) with its tensors from the folder, and only those."""
+    wanted = set(module.state_dict().keys())
+    files = _shard_files(folder)
+    chosen: dict[str, str] = {}  # module key -> checkpoint key
+    for checkpoint_key in files:
+        key = checkpoint_key.removeprefix("model.") if checkpoint_key not in wanted else checkpoint_key
+        if key in wanted and key not in chosen:
+            chosen[key] = checkpoint_key
+    missing = sorted(wanted - set(chosen))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for key, checkpoint_key in chosen.items():
+        by_file.setdefault(files[checkpoint_key], []).append(key)
+    state: dict[str, torch.Tensor] = {}
+    for path, keys in by_file.items():
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: shard {path.name} named in the index is missing")
+        with safe_open(str(path), "pt") as handle:
+            for key in keys:
+                state[key] = handle.get_tensor(chosen[key])
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def build_without_init(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Construct modules whose weights are about to be loaded, skipping random initialisation."""
+    with no_init_weights():
+        return build()
+
+
+def load_checkpoint(folder: str | Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
+    """The encoder adapter for a checkpoint folder, chosen by `model_type`."""
+    from .internvl import internvl_from_folder
+    from .qwen_audio import qwen2_audio_from_folder
+    from .qwen_vl import qwen25_vl_from_folder
+
+    families: dict[str, Callable[[Path, torch.device, torch.dtype], EncoderAdapter]] = {
+        "qwen2_5_vl": qwen25_vl_from_folder,
+        "internvl": internvl_from_folder,
+        "qwen2_audio": qwen2_audio_from_folder,
+    }
+    folder = Path(folder).expanduser().resolve()
+    model_type = read_config(folder).get("model_type")
+    loader = families.get(model_type)
+    if loader is None:
+        raise CheckpointError(f"{folder}: model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(sorted(families))})")
+    return loader(folder, device, dtype)
