@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from processors import load_adapter
 
 from .jobs import EncodeError
-from .schemas import EncodeRequest, request_id_of
+from .schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
 from .service import EncoderService
 from .settings import Settings
 
@@ -129,6 +129,18 @@ def create_app(settings: Settings, adapter=None) -> FastAPI:
         except Exception as exc:  # a bug: still answer with the contract's error body
             log.exception("unexpected error in /encode")
             return error_response(EncodeError(500, f"internal error: {exc}", request_id_of(payload)))
+
+    @app.post("/scheduler_receive_url", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": ReceiveUrlRequest.model_json_schema()}}}})
+    async def scheduler_receive_url(request: Request) -> Response:
+        payload: Any = None
+        try:
+            payload = parse_json(await read_body(request, 64 * 1024))
+            return JSONResponse(await request.app.state.service.register_receiver(payload))
+        except EncodeError as error:
+            if error.req_id is None:
+                error.req_id = request_id_of(payload)
+            return error_response(error)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -44,6 +44,16 @@ class EncodeRequest(BaseModel):
         return self
 
 
+class ReceiveUrlRequest(BaseModel):
+    """`POST /scheduler_receive_url`: a prefill rank asks to be sent a request's embedding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    req_id: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    receive_url: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    receive_count: Annotated[StrictInt, Field(ge=1, le=4096)] = 1
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """`field: problem; field: problem` for the first few problems."""
     parts = []

@@ -26,22 +26,15 @@ from .media import MediaError, MediaLimits, MediaLoader, parse_item
 from .metrics import ServerMetrics
 from .policy import BatchPolicy
 from .scheduler import EncoderScheduler, PendingRequest
-from .schemas import EncodeRequest, describe_validation_error, request_id_of
+from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
+from .transfer import DeliveryError, EmbeddingSender, Registrations, check_endpoint, endpoint_for, payload_view
+from .wire import Header
 from .settings import Settings
 
 log = logging.getLogger("encode_server.service")
 
 #: Above this many bytes, base64-encoding an embedding moves off the event loop.
 _INLINE_ENCODE_LIMIT = 256 * 1024
-
-
-def embedding_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw little-endian row-major bytes of a CPU tensor (bfloat16 through its 16-bit pattern)."""
-    tensor = tensor.contiguous()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    array = tensor.numpy()
-    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 class EncoderService:
@@ -69,6 +62,9 @@ class EncoderService:
         self.media = MediaLoader(self._media_pool, limits)
         self.engine = EncoderEngine(adapter, self.metrics)
         self.scheduler = EncoderScheduler(self.engine, self.policy, self.metrics)
+        self.sender = EmbeddingSender(settings.send_timeout_s)
+        self.registrations: Registrations | None = None  # made in start(), on the event loop
+        self._background: set[asyncio.Task] = set()
         self._in_flight: set[tuple[str, int]] = set()
 
     @property
@@ -77,10 +73,18 @@ class EncoderService:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.media.warmup, self.adapter.info.modalities)
+        # Registrations live as long as a request may: the send timeout bounds how late one may come.
+        self.registrations = Registrations(self.sender, ttl_s=self.settings.req_timeout_s + self.settings.send_timeout_s)
         self.scheduler.start()
 
     async def stop(self) -> None:
         await self.scheduler.stop()
+        if self.registrations is not None:
+            await self.registrations.close()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self.sender.close()
         await self.media.close()
         self.engine.close()
         self._media_pool.shutdown(wait=False, cancel_futures=True)
@@ -89,6 +93,7 @@ class EncoderService:
         """Answer one `/encode` body (already JSON-decoded). Raises `EncodeError` for any failure."""
         started = time.monotonic()
         request = self._validate(payload)
+        endpoints = self._endpoints(request)
         key = (request.req_id, request.part_idx)
         if len(self._in_flight) >= self.settings.max_pending:
             self.metrics.requests_total.labels(request.modality, "503").inc()
@@ -104,15 +109,19 @@ class EncoderService:
         try:
             timeout = min(request.timeout_s or self.settings.req_timeout_s, self.settings.req_timeout_s)
             deadline = started + timeout
-            response = await asyncio.wait_for(self._encode_admitted(request, deadline), timeout)
+            response = await asyncio.wait_for(self._encode_admitted(request, endpoints, deadline), timeout)
             status = "200"
             self.metrics.performance.record(time.monotonic() - started, response["batch_size"])
             return response
         except asyncio.TimeoutError:
             status = "504"
-            raise EncodeError(504, f"request timed out after {timeout:g} s", request.req_id) from None
+            error = EncodeError(504, f"request timed out after {timeout:g} s", request.req_id)
+            self._notify_failure(request, endpoints, error)
+            raise error from None
         except EncodeError as error:
             status = str(error.status)
+            if error.status != 502:
+                self._notify_failure(request, endpoints, error)
             raise
         except asyncio.CancelledError:
             status = "cancelled"
@@ -138,12 +147,25 @@ class EncoderService:
         if request.timeout_s is not None and request.timeout_s > self.settings.req_timeout_s:
             raise EncodeError(400, f"timeout_s {request.timeout_s:g} is above the server's limit of "
                                    f"{self.settings.req_timeout_s:g} s", request.req_id)
-        if request.prefill_host is not None or request.embedding_port is not None:
-            raise EncodeError(400, "ZMQ delivery (prefill_host, embedding_port) is not available in this "
-                                   "build; use return_embedding", request.req_id)
         return request
 
-    async def _encode_admitted(self, request: EncodeRequest, deadline: float) -> dict[str, Any]:
+    def _endpoints(self, request: EncodeRequest) -> list[str]:
+        """The `tcp://prefill_host:port` destinations a request names (400 when malformed)."""
+        ports = request.embedding_port
+        if ports is None and request.prefill_host is None:
+            return []
+        if ports is None or request.prefill_host is None:
+            raise EncodeError(400, "prefill_host and embedding_port go together", request.req_id)
+        ports = [ports] if isinstance(ports, int) else ports
+        if not ports:
+            raise EncodeError(400, "embedding_port: an empty list names no destination", request.req_id)
+        try:
+            return list(dict.fromkeys(endpoint_for(request.prefill_host, port) for port in ports))
+        except ValueError as exc:
+            raise EncodeError(400, f"prefill_host/embedding_port: {exc}", request.req_id) from None
+
+    async def _encode_admitted(self, request: EncodeRequest, endpoints: list[str],
+                               deadline: float) -> dict[str, Any]:
         decode_started = time.perf_counter()
         try:
             sources = [parse_item(raw, index, request.modality) for index, raw in enumerate(request.mm_items)]
@@ -161,7 +183,79 @@ class EncoderService:
         pending = PendingRequest(job, deadline, asyncio.get_running_loop())
         self.scheduler.submit(pending)
         outcome = await pending.future
+        outcome.timings_ms["transfer"] = await self._deliver(request, endpoints, outcome) * 1e3
         return await self._response(request, outcome)
+
+    def _header(self, request: EncodeRequest, outcome: EncodeOutcome | None,
+                error: EncodeError | None = None) -> Header:
+        embedding = outcome.embedding if outcome else None
+        return Header(
+            req_id=request.req_id, part_idx=request.part_idx, num_parts=request.num_parts,
+            modality=request.modality,
+            dtype=DTYPE_NAMES[embedding.dtype] if embedding is not None else DTYPE_NAMES[self.adapter.dtype],
+            shape=tuple(embedding.shape) if embedding is not None else (0, self.adapter.info.hidden_size),
+            items=[layout.as_json() for layout in outcome.layouts] if outcome else [],
+            error={"code": error.status, "message": error.message} if error else None,
+        )
+
+    async def _deliver(self, request: EncodeRequest, endpoints: list[str], outcome: EncodeOutcome) -> float:
+        """Push the embedding to every destination; seconds spent. 502 when one does not take it."""
+        started = time.perf_counter()
+        destinations = list(endpoints)
+        if self.registrations.wanted(request.req_id):
+            try:
+                destinations += await self.registrations.receivers(request.req_id, self.settings.send_timeout_s)
+            except (asyncio.TimeoutError, KeyError):
+                raise EncodeError(502, f"the receivers registered for {request.req_id!r} did not reach their "
+                                       f"receive_count within {self.settings.send_timeout_s:g} s",
+                                  request.req_id) from None
+        header = self._header(request, outcome)
+        if not destinations:
+            if not request.return_embedding:
+                self.registrations.park(request.req_id, request.part_idx, header, outcome.embedding)
+            return 0.0
+        try:
+            sent = await self.sender.send(list(dict.fromkeys(destinations)), header.encode(),
+                                          payload_view(outcome.embedding))
+        except DeliveryError as exc:
+            raise EncodeError(502, f"could not deliver the embedding: {exc}", request.req_id) from None
+        elapsed = time.perf_counter() - started
+        self.metrics.transfer.labels(request.modality).observe(elapsed)
+        self.metrics.bytes_sent.inc(sent)
+        return elapsed
+
+    def _notify_failure(self, request: EncodeRequest, endpoints: list[str], error: EncodeError) -> None:
+        """Tell the destinations that this request failed, so prefill ranks do not wait for it."""
+        destinations = list(endpoints)
+        if self.registrations.wanted(request.req_id):
+            destinations += self.registrations.known_receivers(request.req_id)
+        if not destinations:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_error(destinations, request, error))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_error(self, destinations: list[str], request: EncodeRequest, error: EncodeError) -> None:
+        try:
+            await self.sender.send(list(dict.fromkeys(destinations)), self._header(request, None, error).encode(), b"")
+        except DeliveryError as exc:
+            log.warning("could not tell %s's destinations that it failed: %s", request.req_id, exc)
+
+    async def register_receiver(self, payload: Any) -> dict[str, Any]:
+        """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""
+        if not isinstance(payload, dict):
+            raise EncodeError(400, f"the body must be a JSON object, got {type(payload).__name__}")
+        try:
+            registration = ReceiveUrlRequest.model_validate(payload)
+            url = check_endpoint(registration.receive_url)
+            count = self.registrations.register(registration.req_id, url, registration.receive_count)
+        except ValidationError as exc:
+            raise EncodeError(400, describe_validation_error(exc), request_id_of(payload)) from None
+        except ValueError as exc:
+            raise EncodeError(400, f"receive_url: {exc}" if "receive_count" not in str(exc) else str(exc),
+                              request_id_of(payload)) from None
+        return {"status": "ok", "req_id": registration.req_id, "registered": count,
+                "receive_count": registration.receive_count}
 
     async def _response(self, request: EncodeRequest, outcome: EncodeOutcome) -> dict[str, Any]:
         embedding = outcome.embedding
@@ -185,7 +279,7 @@ class EncoderService:
                 encoded = _b64_embedding(embedding)
             response["embedding"] = encoded
             transfer_s = time.perf_counter() - transfer_started
-            response["timings_ms"]["transfer"] = transfer_s * 1e3
+            response["timings_ms"]["transfer"] += transfer_s * 1e3
             self.metrics.transfer.labels(request.modality).observe(transfer_s)
             self.metrics.bytes_sent.inc(nbytes)
         return response
@@ -208,4 +302,4 @@ class EncoderService:
 
 
 def _b64_embedding(embedding: torch.Tensor) -> str:
-    return base64.b64encode(embedding_bytes(embedding)).decode("ascii")
+    return base64.b64encode(payload_view(embedding)).decode("ascii")

@@ -73,6 +73,8 @@ OPTIONS: tuple[Option, ...] = (
            "admitted but unfinished requests; beyond it new requests get 503 with Retry-After"),
     Option("--req-timeout-s", float, 180.0, "a request not answered by then gets 504",
            aliases=("SGLANG_ENCODER_REQ_TIMEOUT",)),
+    Option("--send-timeout-s", float, 30.0,
+           "longest wait for an embedding's destination to take it (and for receivers to register)"),
     Option("--max-request-bytes", int, 64 * 1024 * 1024, "larger request bodies get 413"),
     Option("--max-image-pixels", int, 50_000_000,
            "larger images are refused (400) from their header, before they are decoded in full"),
@@ -104,6 +106,7 @@ class Settings:
     enable_dynamic_batching: bool = True
     max_pending: int = 1024
     req_timeout_s: float = 180.0
+    send_timeout_s: float = 30.0
     max_request_bytes: int = 64 * 1024 * 1024
     max_image_pixels: int = 50_000_000
     max_audio_seconds: float = 30.0
@@ -121,7 +124,7 @@ class Settings:
         for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "video_fps"):
+        for name in ("max_audio_seconds", "video_fps", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.req_timeout_s <= 0:

@@ -1,0 +1,237 @@
+"""The prefill side: receive embeddings from encoders over ZMQ (imports no FastAPI).
+
+`EmbeddingReceiver` binds a PULL socket, collects the parts of each request as they arrive (from
+one or several encoders), merges them in `part_idx` order, and hands back a torch tensor and its
+metadata by `req_id`, blocking (`get`) or async (`aget`). An error header raises
+`EmbeddingError`; waiting too long raises `TimeoutError`. Embeddings nobody claims are dropped
+after `ttl_s`, and the oldest go first when more than `max_bytes` are held.
+
+    receiver = EmbeddingReceiver()                 # binds tcp://127.0.0.1:<free port>
+    ...post /encode with embedding_port=receiver.port, or register receiver.endpoint...
+    result = receiver.get("req-1", timeout=30)     # result.tensor: [tokens, dim]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from .wire import Header, WireError, decode_header, is_wildcard_host
+
+log = logging.getLogger("encode_server.receiver")
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EmbeddingError(RuntimeError):
+    """The encoder reported that this request failed (the header's `error`)."""
+
+    def __init__(self, req_id: str, code: Any, message: str) -> None:
+        super().__init__(f"{req_id}: encoder error {code}: {message}")
+        self.req_id = req_id
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class ReceivedEmbedding:
+    """A whole request: its parts merged in order, and what the encoder said about them."""
+
+    req_id: str
+    tensor: torch.Tensor
+    modality: str
+    dtype: str
+    items: list[dict[str, Any]]
+    num_parts: int
+
+
+@dataclass
+class _Pending:
+    """Parts of one request received so far."""
+
+    created: float
+    num_parts: int
+    parts: dict[int, tuple[Header, bytes]] = field(default_factory=dict)
+    error: EmbeddingError | None = None
+    nbytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.error is not None or len(self.parts) == self.num_parts
+
+
+def _to_tensor(header: Header, payload: bytes) -> torch.Tensor:
+    rows, dim = header.shape
+    if header.dtype == "bfloat16":
+        array = np.frombuffer(payload, dtype="<i2").reshape(rows, dim)
+        return torch.from_numpy(array.copy()).view(torch.bfloat16)
+    array = np.frombuffer(payload, dtype=np.dtype(header.dtype).newbyteorder("<")).reshape(rows, dim)
+    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+
+
+class EmbeddingReceiver:
+    """A PULL socket and a background thread that assembles requests by `req_id`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 120.0,
+                 max_bytes: int = 4 << 30, context: zmq.Context | None = None) -> None:
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if ":" in host:
+            self._socket.setsockopt(zmq.IPV6, 1)
+        bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        if port == 0:
+            self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        else:
+            self._socket.bind(f"tcp://{bind_host}:{port}")
+            self.port = port
+        self.host = host
+        self._stop_url = f"inproc://receiver-stop-{id(self)}"
+        self._stop_pull = self._context.socket(zmq.PAIR)
+        self._stop_pull.bind(self._stop_url)
+        self._lock = threading.Condition()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._held_bytes = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"embedding-receiver-{self.port}", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        """A routable `tcp://host:port` for encoders (a wildcard bind advertises this host's address)."""
+        host = self.host
+        if is_wildcard_host(host):
+            host = socket.gethostbyname(socket.gethostname())
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"tcp://{host}:{self.port}"
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._stop_pull, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(timeout=self._next_expiry_ms()))
+                if self._stop_pull in ready:
+                    return
+                if self._socket in ready:
+                    frames = self._socket.recv_multipart(copy=True)
+                    self._accept(frames)
+                self._evict()
+        except zmq.ContextTerminated:
+            return
+        finally:
+            self._socket.close(0)
+            self._stop_pull.close(0)
+
+    def _next_expiry_ms(self) -> int | None:
+        with self._lock:
+            if not self._pending:
+                return None
+            oldest = next(iter(self._pending.values())).created
+        return max(0, int((oldest + self.ttl_s - time.monotonic()) * 1000) + 1)
+
+    def _accept(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropping a message of %d frames (expected 2)", len(frames))
+            return
+        try:
+            header = decode_header(frames[0])
+        except WireError as exc:
+            log.warning("dropping a message with a bad header: %s", exc)
+            return
+        payload = frames[1]
+        if header.error is None and len(payload) != header.payload_bytes:
+            log.warning("dropping %s part %d: %d payload bytes, header says %d", header.req_id,
+                        header.part_idx, len(payload), header.payload_bytes)
+            return
+        with self._lock:
+            pending = self._pending.get(header.req_id)
+            if pending is None:
+                pending = self._pending[header.req_id] = _Pending(time.monotonic(), header.num_parts)
+            if header.error is not None:
+                error = header.error if isinstance(header.error, dict) else {"message": str(header.error)}
+                pending.error = EmbeddingError(header.req_id, error.get("code"), str(error.get("message")))
+            elif header.part_idx not in pending.parts:
+                pending.parts[header.part_idx] = (header, payload)
+                pending.nbytes += len(payload)
+                self._held_bytes += len(payload)
+            self._lock.notify_all()
+
+    def _evict(self) -> None:
+        """Drop unclaimed requests past their time-to-live, then the oldest beyond the byte budget."""
+        now = time.monotonic()
+        with self._lock:
+            for req_id in [r for r, p in self._pending.items() if now - p.created > self.ttl_s]:
+                self._drop(req_id)
+            while self._held_bytes > self.max_bytes and self._pending:
+                self._drop(next(iter(self._pending)))
+
+    def _drop(self, req_id: str) -> None:
+        pending = self._pending.pop(req_id)
+        self._held_bytes -= pending.nbytes
+
+    # --- claiming -----------------------------------------------------------------------------
+
+    def get(self, req_id: str, timeout: float | None = None) -> ReceivedEmbedding:
+        """Wait for every part of `req_id`; raises `EmbeddingError` or `TimeoutError`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                pending = self._pending.get(req_id)
+                if pending is not None and pending.complete:
+                    self._drop(req_id)
+                    break
+                if self._closed:
+                    raise RuntimeError("receiver is closed")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no complete embedding for {req_id!r} within {timeout} s")
+                self._lock.wait(remaining)
+        if pending.error is not None:
+            raise pending.error
+        parts = [pending.parts[index] for index in range(pending.num_parts)]
+        tensors = [_to_tensor(header, payload) for header, payload in parts]
+        first = parts[0][0]
+        return ReceivedEmbedding(
+            req_id=req_id, tensor=torch.cat(tensors) if len(tensors) > 1 else tensors[0], modality=first.modality,
+            dtype=first.dtype, items=[item for header, _ in parts for item in header.items],
+            num_parts=pending.num_parts,
+        )
+
+    async def aget(self, req_id: str, timeout: float | None = None) -> ReceivedEmbedding:
+        """`get` without blocking the event loop."""
+        return await asyncio.to_thread(self.get, req_id, timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        stop = self._context.socket(zmq.PAIR)
+        stop.connect(self._stop_url)
+        stop.send(b"")
+        self._thread.join(timeout=5)
+        stop.close(0)
+
+    def __enter__(self) -> "EmbeddingReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

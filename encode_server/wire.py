@@ -1,0 +1,80 @@
+"""The encoder-to-prefill wire format (CONTRACT section 3), shared by sender and receiver.
+
+One message per request part, two frames: a UTF-8 JSON header and the embedding's raw bytes
+(little-endian, row-major; empty when the header carries an error). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+WIRE_VERSION = 1
+
+#: Wire dtype name -> numpy dtype of the payload's elements (bfloat16 travels as its 16-bit pattern).
+PAYLOAD_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+
+HEADER_KEYS = ("v", "req_id", "part_idx", "num_parts", "modality", "dtype", "shape", "items", "error")
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """Frame 0 of a message."""
+
+    req_id: str
+    part_idx: int
+    num_parts: int
+    modality: str
+    dtype: str
+    shape: tuple[int, int]
+    items: list[dict[str, Any]]
+    error: dict[str, Any] | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps({
+            "v": WIRE_VERSION, "req_id": self.req_id, "part_idx": self.part_idx, "num_parts": self.num_parts,
+            "modality": self.modality, "dtype": self.dtype, "shape": list(self.shape), "items": self.items,
+            "error": self.error,
+        }, separators=(",", ":")).encode("utf-8")
+
+    @property
+    def payload_bytes(self) -> int:
+        if self.error is not None:
+            return 0
+        return int(self.shape[0]) * int(self.shape[1]) * PAYLOAD_DTYPES[self.dtype].itemsize
+
+
+def decode_header(frame: bytes) -> Header:
+    """Parse and check frame 0."""
+    try:
+        data = json.loads(bytes(frame).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireError(f"header is not UTF-8 JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("v") != WIRE_VERSION:
+        raise WireError(f"unsupported header version {data.get('v') if isinstance(data, dict) else data!r}")
+    missing = [key for key in HEADER_KEYS if key not in data]
+    if missing:
+        raise WireError(f"header lacks {', '.join(missing)}")
+    shape = data["shape"]
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise WireError(f"bad shape {shape!r}")
+    if data["dtype"] not in PAYLOAD_DTYPES and data["error"] is None:
+        raise WireError(f"unknown dtype {data['dtype']!r}")
+    if not (isinstance(data["part_idx"], int) and isinstance(data["num_parts"], int)
+            and 0 <= data["part_idx"] < data["num_parts"]):
+        raise WireError(f"bad part {data['part_idx']!r} of {data['num_parts']!r}")
+    return Header(req_id=str(data["req_id"]), part_idx=data["part_idx"], num_parts=data["num_parts"],
+                  modality=str(data["modality"]), dtype=str(data["dtype"]), shape=(shape[0], shape[1]),
+                  items=list(data["items"] or []), error=data["error"])
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Addresses that mean 'every interface' and must never be connected to or advertised."""
+    return host.strip("[]") in ("0.0.0.0", "::", "*", "")
