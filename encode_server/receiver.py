@@ -22,7 +22,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -61,7 +60,7 @@ class _Pending:
 
     created: float
     num_parts: int
-    parts: dict[int, tuple[Header, bytes]] = field(default_factory=dict)
+    parts: dict[int, tuple[Header, torch.Tensor]] = field(default_factory=dict)
     error: EmbeddingError | None = None
     nbytes: int = 0
 
@@ -70,13 +69,11 @@ class _Pending:
         return self.error is not None or len(self.parts) == self.num_parts
 
 
-def _to_tensor(header: Header, payload: bytes) -> torch.Tensor:
-    rows, dim = header.shape
-    if header.dtype == "bfloat16":
-        array = np.frombuffer(payload, dtype="<i2").reshape(rows, dim)
-        return torch.from_numpy(array.copy()).view(torch.bfloat16)
-    array = np.frombuffer(payload, dtype=np.dtype(header.dtype).newbyteorder("<")).reshape(rows, dim)
-    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as writable bytes (the wire is little-endian, as every supported host is)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return memoryview(tensor.numpy()).cast("B")
 
 
 class EmbeddingReceiver:
@@ -130,14 +127,47 @@ class EmbeddingReceiver:
                 if self._stop_pull in ready:
                     return
                 if self._socket in ready:
-                    frames = self._socket.recv_multipart(copy=True)
-                    self._accept(frames)
+                    # Take everything already queued before polling again.
+                    while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self._receive_one()
                 self._evict()
         except zmq.ContextTerminated:
             return
         finally:
             self._socket.close(0)
             self._stop_pull.close(0)
+
+    def _skip_rest(self) -> int:
+        """Discard the remaining frames of the current message; returns how many there were."""
+        skipped = 0
+        while self._socket.getsockopt(zmq.RCVMORE):
+            self._socket.recv_into(bytearray())
+            skipped += 1
+        return skipped
+
+    def _receive_one(self) -> None:
+        """Read one message; the payload lands straight in the tensor it will be returned as."""
+        first = self._socket.recv()
+        if not self._socket.getsockopt(zmq.RCVMORE):
+            log.warning("dropping a message of 1 frame (expected 2)")
+            return
+        try:
+            header = decode_header(first)
+        except WireError as exc:
+            self._skip_rest()
+            log.warning("dropping a message with a bad header: %s", exc)
+            return
+        tensor = None
+        if header.error is None:
+            tensor = torch.empty(header.shape, dtype=_TORCH_DTYPES[header.dtype])
+            received = self._socket.recv_into(_writable_bytes(tensor))
+        else:
+            received = self._socket.recv_into(bytearray())
+        if self._skip_rest() or received != header.payload_bytes:
+            log.warning("dropping %s part %d: %d payload bytes (or extra frames), header says %d",
+                        header.req_id, header.part_idx, received, header.payload_bytes)
+            return
+        self._accept(header, tensor)
 
     def _next_expiry_ms(self) -> int | None:
         with self._lock:
@@ -146,20 +176,7 @@ class EmbeddingReceiver:
             oldest = next(iter(self._pending.values())).created
         return max(0, int((oldest + self.ttl_s - time.monotonic()) * 1000) + 1)
 
-    def _accept(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("dropping a message of %d frames (expected 2)", len(frames))
-            return
-        try:
-            header = decode_header(frames[0])
-        except WireError as exc:
-            log.warning("dropping a message with a bad header: %s", exc)
-            return
-        payload = frames[1]
-        if header.error is None and len(payload) != header.payload_bytes:
-            log.warning("dropping %s part %d: %d payload bytes, header says %d", header.req_id,
-                        header.part_idx, len(payload), header.payload_bytes)
-            return
+    def _accept(self, header: Header, tensor: torch.Tensor | None) -> None:
         with self._lock:
             pending = self._pending.get(header.req_id)
             if pending is None:
@@ -167,18 +184,19 @@ class EmbeddingReceiver:
             if header.error is not None:
                 error = header.error if isinstance(header.error, dict) else {"message": str(header.error)}
                 pending.error = EmbeddingError(header.req_id, error.get("code"), str(error.get("message")))
-            elif header.part_idx not in pending.parts:
-                pending.parts[header.part_idx] = (header, payload)
-                pending.nbytes += len(payload)
-                self._held_bytes += len(payload)
+            elif header.part_idx not in pending.parts and tensor is not None:
+                pending.parts[header.part_idx] = (header, tensor)
+                pending.nbytes += header.payload_bytes
+                self._held_bytes += header.payload_bytes
             self._lock.notify_all()
 
     def _evict(self) -> None:
         """Drop unclaimed requests past their time-to-live, then the oldest beyond the byte budget."""
-        now = time.monotonic()
+        horizon = time.monotonic() - self.ttl_s
         with self._lock:
-            for req_id in [r for r, p in self._pending.items() if now - p.created > self.ttl_s]:
-                self._drop(req_id)
+            # `_pending` is in arrival order, so the expired ones are at its front.
+            while self._pending and next(iter(self._pending.values())).created < horizon:
+                self._drop(next(iter(self._pending)))
             while self._held_bytes > self.max_bytes and self._pending:
                 self._drop(next(iter(self._pending)))
 
@@ -206,7 +224,7 @@ class EmbeddingReceiver:
         if pending.error is not None:
             raise pending.error
         parts = [pending.parts[index] for index in range(pending.num_parts)]
-        tensors = [_to_tensor(header, payload) for header, payload in parts]
+        tensors = [tensor for _, tensor in parts]
         first = parts[0][0]
         return ReceivedEmbedding(
             req_id=req_id, tensor=torch.cat(tensors) if len(tensors) > 1 else tensors[0], modality=first.modality,

@@ -89,7 +89,10 @@ class EmbeddingSender:
 
     async def send(self, endpoints: list[str], header: bytes, payload: memoryview | bytes) -> int:
         """Send to every endpoint at once; returns bytes sent, raises `DeliveryError` naming failures."""
-        results = await asyncio.gather(*(self._send_one(e, header, payload) for e in endpoints))
+        if len(endpoints) == 1:
+            results = [await self._send_one(endpoints[0], header, payload)]
+        else:
+            results = await asyncio.gather(*(self._send_one(e, header, payload) for e in endpoints))
         failures = {endpoint: reason for endpoint, reason in zip(endpoints, results) if reason}
         if failures:
             raise DeliveryError(failures)
@@ -97,8 +100,10 @@ class EmbeddingSender:
 
     async def _send_one(self, endpoint: str, header: bytes, payload: memoryview | bytes) -> str | None:
         try:
-            sock = self._socket(endpoint)
-            await asyncio.wait_for(sock.send_multipart([header, payload], copy=False), self.send_timeout_s)
+            sent = self._socket(endpoint).send_multipart([header, payload], copy=False)
+            if not sent.done():  # no connected peer, or its queue is full: wait on the socket's event
+                await asyncio.wait_for(sent, self.send_timeout_s)
+            sent.result()
             return None
         except asyncio.TimeoutError:
             return f"no receiver took the embedding within {self.send_timeout_s:g} s"
