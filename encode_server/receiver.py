@@ -248,7 +248,7 @@ class EmbeddingReceiver:
         self._thread.join(timeout=5)
         stop.close(0)
 
-    def __enter__(self) -> "EmbeddingReceiver":
+    def __enter__(self) -> EmbeddingReceiver:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
-from pydantic import field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MODALITIES = ("image", "audio", "video")
 
@@ -38,7 +48,7 @@ class EncodeRequest(BaseModel):
         return lowered
 
     @model_validator(mode="after")
-    def _part_in_range(self) -> "EncodeRequest":
+    def _part_in_range(self) -> EncodeRequest:
         if self.part_idx >= self.num_parts:
             raise ValueError(f"part_idx {self.part_idx} must be below num_parts {self.num_parts}")
         return self

@@ -27,9 +27,9 @@ from .metrics import ServerMetrics
 from .policy import BatchPolicy
 from .scheduler import EncoderScheduler, PendingRequest
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
+from .settings import Settings
 from .transfer import DeliveryError, EmbeddingSender, Registrations, check_endpoint, endpoint_for, payload_view
 from .wire import Header
-from .settings import Settings
 
 log = logging.getLogger("encode_server.service")
 
@@ -74,7 +74,8 @@ class EncoderService:
     async def start(self) -> None:
         await asyncio.to_thread(self.media.warmup, self.adapter.info.modalities)
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
-        self.registrations = Registrations(self.sender, ttl_s=self.settings.req_timeout_s + self.settings.send_timeout_s)
+        ttl_s = self.settings.req_timeout_s + self.settings.send_timeout_s
+        self.registrations = Registrations(self.sender, ttl_s=ttl_s)
         self.scheduler.start()
 
     async def stop(self) -> None:

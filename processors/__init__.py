@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from .base import DTYPE_NAMES, EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch, resolve_device, resolve_dtype
+from .base import (
+    DTYPE_NAMES,
+    EncoderAdapter,
+    ItemError,
+    ItemLayout,
+    ModelInfo,
+    PreparedBatch,
+    resolve_device,
+    resolve_dtype,
+)
 from .builtin import BUILTIN_MODELS
 
 __all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",

@@ -3,11 +3,12 @@
 They need no download, and two processes (or two ranks) that build the same name hold bit-identical
 weights, because the weights come from `torch.manual_seed(BUILTIN_SEED)` on the CPU.
 
-| name | architecture | processor |
-| --- | --- | --- |
-| tiny-qwen2.5-vl | Qwen2.5-VL vision tower + merger: 4 blocks, width 128, patch 14, merge 2 | Qwen2-VL (PIL), 56x56 to 448x448 pixels, videos alike |
-| tiny-internvl | InternVL vision tower (2 layers, width 64, 56x56 tiles of 14x14 patches) + projector | GotOcr2 (PIL), 1 to 6 tiles plus thumbnail |
-| tiny-qwen2-audio | Qwen2-Audio tower (2 layers, width 64, 80 mel bins, 10 s window) + projector | Whisper features at 16 kHz |
+- tiny-qwen2.5-vl: Qwen2.5-VL vision tower + merger (4 blocks, width 128, patch 14, merge 2);
+  Qwen2-VL processor (PIL), 56x56 to 448x448 pixels per image or video frame.
+- tiny-internvl: InternVL vision tower (2 layers, width 64, 56x56 tiles of 14x14 patches) + projector;
+  GotOcr2 processor (PIL), 1 to 6 tiles plus a thumbnail.
+- tiny-qwen2-audio: Qwen2-Audio tower (2 layers, width 64, 80 mel bins, 10 s window) + projector;
+  Whisper features at 16 kHz.
 """
 
 from __future__ import annotations

@@ -73,10 +73,12 @@ def load_encoder_weights(module: torch.nn.Module, folder: Path) -> None:
     module.load_state_dict(state, strict=True, assign=True)
 
 
-def build_without_init(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """Construct modules whose weights are about to be loaded, skipping random initialisation."""
+def load_encoder_modules(folder: Path, build: Callable[[], dict[str, torch.nn.Module]]) -> torch.nn.ModuleDict:
+    """Build the encoder's modules without random init, named as in the checkpoint, and load them."""
     with no_init_weights():
-        return build()
+        modules = torch.nn.ModuleDict(build())
+    load_encoder_weights(modules, folder)
+    return modules
 
 
 def load_checkpoint(folder: str | Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

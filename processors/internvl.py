@@ -108,11 +108,11 @@ def internvl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype)
     """The vision tower and projector of an InternVL (`-hf` layout) checkpoint."""
     from transformers import AutoImageProcessor, InternVLConfig
 
-    from .checkpoint import build_without_init, load_encoder_weights
+    from .checkpoint import load_encoder_modules
 
     config = InternVLConfig.from_pretrained(folder)
-    vision_tower, projector = build_without_init(lambda: build_internvl_encoder(config))
-    load_encoder_weights(torch.nn.ModuleDict({"vision_tower": vision_tower, "multi_modal_projector": projector}),
-                         folder)
+    modules = load_encoder_modules(folder, lambda: dict(zip(("vision_tower", "multi_modal_projector"),
+                                                            build_internvl_encoder(config))))
     processor = AutoImageProcessor.from_pretrained(folder)
-    return InternVLAdapter(folder.name, vision_tower, projector, config, processor, device, dtype)
+    return InternVLAdapter(folder.name, modules["vision_tower"], modules["multi_modal_projector"], config,
+                           processor, device, dtype)

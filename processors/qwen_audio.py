@@ -107,11 +107,11 @@ def qwen2_audio_from_folder(folder: Path, device: torch.device, dtype: torch.dty
     """The audio tower and projector of a Qwen2-Audio checkpoint."""
     from transformers import AutoFeatureExtractor, Qwen2AudioConfig
 
-    from .checkpoint import build_without_init, load_encoder_weights
+    from .checkpoint import load_encoder_modules
 
     config = Qwen2AudioConfig.from_pretrained(folder)
-    audio_tower, projector = build_without_init(lambda: build_qwen2_audio_encoder(config))
-    load_encoder_weights(torch.nn.ModuleDict({"audio_tower": audio_tower, "multi_modal_projector": projector}),
-                         folder)
+    modules = load_encoder_modules(folder, lambda: dict(zip(("audio_tower", "multi_modal_projector"),
+                                                            build_qwen2_audio_encoder(config))))
     extractor = AutoFeatureExtractor.from_pretrained(folder)
-    return QwenAudioAdapter(folder.name, audio_tower, projector, config, extractor, device, dtype)
+    return QwenAudioAdapter(folder.name, modules["audio_tower"], modules["multi_modal_projector"], config,
+                            extractor, device, dtype)

@@ -152,13 +152,11 @@ def qwen25_vl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype
     from transformers import AutoImageProcessor, Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from .checkpoint import build_without_init, load_encoder_weights
+    from .checkpoint import load_encoder_modules
 
-    config = Qwen2_5_VLConfig.from_pretrained(folder)
-    vision_config = config.vision_config
+    vision_config = Qwen2_5_VLConfig.from_pretrained(folder).vision_config
     vision_config._attn_implementation = "sdpa"
-    tower = build_without_init(lambda: Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config))
-    container = torch.nn.ModuleDict({"visual": tower})
-    load_encoder_weights(container, folder)
+    modules = load_encoder_modules(
+        folder, lambda: {"visual": Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config)})
     processor = AutoImageProcessor.from_pretrained(folder)
-    return QwenVisionAdapter(folder.name, tower, processor, device, dtype, video=_video_settings(folder))
+    return QwenVisionAdapter(folder.name, modules["visual"], processor, device, dtype, video=_video_settings(folder))

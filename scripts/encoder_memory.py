@@ -44,11 +44,12 @@ def rss_mib() -> tuple[float, float]:
 def measure(folder: Path) -> dict:
     import torch
 
-    from processors.checkpoint import load_checkpoint
     # Import the family's code first, so the growth measured is the weights, not Python modules.
     from transformers import AutoImageProcessor, Qwen2_5_VLConfig  # noqa: F401
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # noqa: F401
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl  # noqa: F401
+
+    from processors.checkpoint import load_checkpoint
 
     before, _ = rss_mib()
     adapter = load_checkpoint(folder, torch.device("cpu"), torch.float32)

@@ -54,7 +54,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         import tempfile
 
         log = tempfile.NamedTemporaryFile("w+", prefix="encode-server-", suffix=".log", delete=False)

@@ -285,7 +285,8 @@ def test_receiver_drops_malformed_messages_and_keeps_serving():
 
 def test_receiver_imports_without_fastapi():
     code = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
-            "from encode_server.receiver import EmbeddingReceiver; r = EmbeddingReceiver(); print(r.endpoint); r.close()")
+            "from encode_server.receiver import EmbeddingReceiver; "
+            "r = EmbeddingReceiver(); print(r.endpoint); r.close()")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("tcp://127.0.0.1:")
