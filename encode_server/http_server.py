@@ -9,6 +9,7 @@ section 2.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -32,6 +33,26 @@ log = logging.getLogger("encode_server.http")
 _INLINE_JSON_LIMIT = 1 << 20
 #: Status for a request whose client went away before its answer (nginx's convention).
 CLIENT_CLOSED = 499
+
+
+class ApiKeyMiddleware:
+    """Every path but /health needs `Authorization: Bearer <key>`, compared in constant time."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            scheme, _, token = given.partition(b" ")
+            if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
+                message = "missing API key" if not given else "bad API key"
+                response = JSONResponse({"status": "error", "message": f"{message}: send Authorization: Bearer <key>",
+                                         "req_id": None}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def error_response(error: EncodeError) -> JSONResponse:
@@ -93,6 +114,8 @@ def create_app(settings: Settings, adapter=None) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="encode-server", version="0.1.0", lifespan=lifespan)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,9 +1,11 @@
 """Fetch and decode one request's media items, each on its own, off the event loop.
 
-Items arrive as URLs, `data:` URIs, bare base64, `{"url"}`/`{"data"}` objects or, for video,
+Items arrive as URLs, `data:` URIs, bare base64, local paths (`file://` or an absolute path, only
+inside `--allowed-local-media-dir`), `{"url"}`/`{"data"}` objects or, for video,
 `{"frames": [...]}`. `parse_item` checks an item's shape without touching its bytes; `MediaLoader`
-fetches URLs with aiohttp and decodes bytes in a thread pool. Every failure is a `MediaError`
-naming the item, so a corrupt item fails only its own request (decode before you fuse).
+fetches URLs with aiohttp (through the URL guard) and decodes bytes in a thread pool. Every failure
+is a `MediaError` naming the item, so a corrupt item fails only its own request (decode before you
+fuse).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import io
+import re
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -21,6 +24,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 from PIL import Image, UnidentifiedImageError
+
+from .url_guard import BlockedAddressError, GuardedConnector, content_type_refusal, resolve_local_path
 
 #: PIL's own bomb guard stays on as a second line; ours (`max_image_pixels`) runs first.
 Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, 200_000_000)
@@ -44,15 +49,23 @@ class MediaSource:
     location: str
 
 
+_BASE64 = re.compile(r"[A-Za-z0-9+/\s]+={0,2}\s*")
+
+
 def _parse_string(text: str, location: str) -> MediaSource:
     head = text[:16].lower()
     if head.startswith(("http://", "https://")):
         return MediaSource("url", text, location)
     if head.startswith("data:"):
         return MediaSource("data_uri", text, location)
+    if head.startswith("file://"):
+        return MediaSource("file", text, location)
+    # "/9j/4AAQ..." is base64 (a JPEG); "/data/cat.jpg" is a path: only the latter is not base64.
+    if text.startswith("/") and len(text) < 4096 and not _BASE64.fullmatch(text):
+        return MediaSource("file", text, location)
     if "://" in text[:32]:
         scheme = text.split("://", 1)[0]
-        raise MediaError(location, f"unsupported URL scheme {scheme!r}: use http, https or data")
+        raise MediaError(location, f"unsupported URL scheme {scheme!r}: use http, https, data or file")
     if not text.strip():
         raise MediaError(location, "empty item")
     return MediaSource("base64", text, location)
@@ -88,7 +101,7 @@ def parse_item(raw: Any, index: int, modality: str) -> MediaSource:
     if key == "url":
         source = _parse_string(value, location)
         if source.kind == "base64":
-            raise MediaError(location, "'url' must be an http(s):// or data: URL")
+            raise MediaError(location, "'url' must be an http(s)://, data: or file:// URL")
         return source
     if not value.strip():
         raise MediaError(location, "'data' is empty")
@@ -224,6 +237,9 @@ class MediaLimits:
     max_audio_seconds: float = 30.0
     video_fps: float = 2.0
     max_video_frames: int = 32
+    allow_private_urls: bool = False
+    allowed_local_media_dir: str | None = None
+    extra_allowed_networks: tuple = ()  # tests only: loopback networks treated as public
 
 
 @dataclass(frozen=True)
@@ -279,26 +295,35 @@ class MediaLoader:
             if len(source.value) > self.limits.max_video_frames:
                 raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
                                                   f"{self.limits.max_video_frames}")
-            frame_bytes = [await self._raw_bytes(frame) for frame in source.value]
+            frame_bytes = [await self._raw_bytes(frame, "image") for frame in source.value]
             return await loop.run_in_executor(
                 self._pool, self._decode_frames, frame_bytes, source, modality, describe
             )
-        raw = await self._raw_bytes(source)
+        raw = await self._raw_bytes(source, modality)
         return await loop.run_in_executor(self._pool, self._decode, raw, source, modality, describe)
 
-    async def _raw_bytes(self, source: MediaSource) -> bytes | MediaSource:
-        """URL bytes are fetched here; inline sources are decoded later, in the pool."""
+    async def _raw_bytes(self, source: MediaSource, modality: str) -> bytes | MediaSource:
+        """URL bytes are fetched here; inline sources and files are read later, in the pool."""
         if source.kind != "url":
             return source
-        return await self._fetch(source.value, source.location)
+        return await self._fetch(source.value, source.location, modality)
 
-    async def _fetch(self, url: str, location: str) -> bytes:
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = GuardedConnector(allow_private=self.limits.allow_private_urls,
+                                         extra_allowed=self.limits.extra_allowed_networks, limit=64)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector,
+                                                  auto_decompress=False)
+        return self._session
+
+    async def _fetch(self, url: str, location: str, modality: str) -> bytes:
         try:
-            async with self._session.get(url) as response:
+            async with self._client().get(url, max_redirects=5) as response:
                 if response.status != 200:
                     raise MediaError(location, f"fetching {url} gave HTTP {response.status}")
+                refusal = content_type_refusal(response.headers.get("Content-Type"), modality)
+                if refusal:
+                    raise MediaError(location, f"{url}: {refusal}")
                 if response.content_length is not None and response.content_length > self._max_fetch_bytes:
                     raise MediaError(location, f"{url} is {response.content_length} bytes, above the limit "
                                                f"of {self._max_fetch_bytes}")
@@ -311,6 +336,10 @@ class MediaLoader:
                 return b"".join(chunks)
         except MediaError:
             raise
+        except BlockedAddressError as exc:
+            raise MediaError(location, str(exc)) from None
+        except aiohttp.TooManyRedirects:
+            raise MediaError(location, f"fetching {url}: too many redirects") from None
         except asyncio.TimeoutError:
             raise MediaError(location, f"fetching {url} timed out") from None
         except (aiohttp.ClientError, OSError, ValueError) as exc:
@@ -319,9 +348,21 @@ class MediaLoader:
     def _bytes_of(self, raw: bytes | MediaSource) -> bytes:
         if isinstance(raw, bytes):
             return raw
+        if raw.kind == "file":
+            return self._read_local(raw)
         if raw.kind == "data_uri":
             return decode_data_uri(raw.value, raw.location)
         return decode_base64(raw.value, raw.location)
+
+    def _read_local(self, source: MediaSource) -> bytes:
+        try:
+            path = resolve_local_path(source.value, self.limits.allowed_local_media_dir)
+        except PermissionError as exc:
+            raise MediaError(source.location, str(exc)) from None
+        size = path.stat().st_size
+        if size > self._max_fetch_bytes:
+            raise MediaError(source.location, f"the file is {size} bytes, above the limit of {self._max_fetch_bytes}")
+        return path.read_bytes()
 
     def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,
                 describe: Callable[[str, Any], Any]) -> LoadedItem:

@@ -58,6 +58,7 @@ class EncoderService:
             max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
             audio_sample_rate=getattr(adapter, "sampling_rate", 16000), max_audio_seconds=settings.max_audio_seconds,
             video_fps=settings.video_fps, max_video_frames=settings.max_video_frames,
+            allow_private_urls=settings.allow_private_urls, allowed_local_media_dir=settings.allowed_local_media_dir,
         )
         self.media = MediaLoader(self._media_pool, limits)
         self.engine = EncoderEngine(adapter, self.metrics)

@@ -75,6 +75,12 @@ OPTIONS: tuple[Option, ...] = (
            aliases=("SGLANG_ENCODER_REQ_TIMEOUT",)),
     Option("--send-timeout-s", float, 30.0,
            "longest wait for an embedding's destination to take it (and for receivers to register)"),
+    Option("--api-key", str, None,
+           "when set, every endpoint but /health needs 'Authorization: Bearer <key>' (else 401)"),
+    Option("--allow-private-urls", parse_bool, False,
+           "allow fetching media from loopback, private and link-local addresses"),
+    Option("--allowed-local-media-dir", str, None,
+           "local file paths (file:// or absolute) are accepted only inside this folder"),
     Option("--max-request-bytes", int, 64 * 1024 * 1024, "larger request bodies get 413"),
     Option("--max-image-pixels", int, 50_000_000,
            "larger images are refused (400) from their header, before they are decoded in full"),
@@ -107,6 +113,9 @@ class Settings:
     max_pending: int = 1024
     req_timeout_s: float = 180.0
     send_timeout_s: float = 30.0
+    api_key: str | None = None
+    allow_private_urls: bool = False
+    allowed_local_media_dir: str | None = None
     max_request_bytes: int = 64 * 1024 * 1024
     max_image_pixels: int = 50_000_000
     max_audio_seconds: float = 30.0
@@ -133,8 +142,10 @@ class Settings:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
 
     def public_dict(self) -> dict[str, Any]:
-        """The settings as `/server_info` shows them."""
-        return dataclasses.asdict(self)
+        """The settings as `/server_info` shows them (never the API key itself)."""
+        data = dataclasses.asdict(self)
+        data["api_key"] = "***" if self.api_key else None
+        return data
 
 
 def _env_default(option: Option, environ: Mapping[str, str]) -> Any:
@@ -193,6 +204,7 @@ def settings_table_markdown() -> str:
     for option in OPTIONS:
         env = ", ".join(f"`{name}`" for name in (option.env_var, *option.aliases))
         default = str(option.default).lower() if isinstance(option.default, bool) else option.default
+        default = "none" if default is None else default
         rows.append(f"| `{option.flag}` | {env} | `{default}` | {option.help} |")
     return "\n".join(rows)
 

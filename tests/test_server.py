@@ -27,7 +27,8 @@ REQUIRED_METRICS = (
 
 @pytest.fixture(scope="module")
 def default_server():
-    with ServerProcess() as server:
+    # Loopback URLs are private addresses: this server is allowed to fetch them for the URL test.
+    with ServerProcess("--allow-private-urls", "true") as server:
         yield server
 
 
