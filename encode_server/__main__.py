@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -26,14 +27,45 @@ def main(argv: Sequence[str] | None = None) -> None:
         adapter = load_adapter(settings.model, settings.device, settings.dtype)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
-    uvicorn.run(
-        create_app(settings, adapter),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
-        timeout_graceful_shutdown=5,
-    )
+    app = create_app(settings, adapter)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
+    DrainingServer(config, app, settings.drain_timeout_s).run()
+
+
+class DrainingServer:
+    """uvicorn, with a drain first: on SIGTERM or SIGINT the service stops admitting (503, and /health
+    503 so load balancers move away), requests in flight finish within the drain timeout, then uvicorn
+    shuts down and the process exits 0. A second signal exits at once."""
+
+    def __new__(cls, config, app, drain_timeout_s: float):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            draining = False
+
+            def handle_exit(self, sig, frame) -> None:
+                service = getattr(app.state, "service", None)
+                if self.draining or service is None or self.should_exit:
+                    super().handle_exit(sig, frame)
+                    return
+                self.draining = True
+                logging.getLogger("encode_server").info(
+                    "signal %s: draining %d requests (up to %g s)", sig, service.pending, drain_timeout_s)
+                loop = asyncio.get_event_loop()
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(service)))
+
+            async def _drain(self, service) -> None:
+                service.begin_drain()
+                drained = await service.wait_drained(drain_timeout_s)
+                if not drained:
+                    logging.getLogger("encode_server").warning(
+                        "drain timeout: %d requests still in flight are failed", service.pending)
+                    service.scheduler.fail_queued("the server shut down before this request's turn")
+                    await service.wait_drained(5.0)  # let their handlers answer 503
+                self.should_exit = True
+
+        return _Server(config)
 
 
 if __name__ == "__main__":

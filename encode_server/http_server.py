@@ -168,8 +168,11 @@ def create_app(settings: Settings, adapter=None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         service: EncoderService | None = getattr(request.app.state, "service", None)
-        if service is None or not service.scheduler.running:
-            return JSONResponse({"status": "unhealthy", "message": "encoder is not serving"}, status_code=503)
+        if service is None:
+            return JSONResponse({"status": "unhealthy", "message": "the encoder is starting"}, status_code=503)
+        healthy, message = service.healthy()
+        if not healthy:
+            return JSONResponse({"status": "unhealthy", "message": message}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/server_info")

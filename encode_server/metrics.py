@@ -6,6 +6,7 @@ the scheduler, engine and HTTP layer record into it exactly where decisions are 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -74,6 +75,29 @@ class PerformanceWindow:
         }
 
 
+class LoopLagMonitor:
+    """How late the event loop runs a timer: a once-a-second check, the usual sign of a blocked loop."""
+
+    def __init__(self, gauge: Gauge, interval_s: float = 1.0) -> None:
+        self._gauge = gauge
+        self.interval_s = interval_s
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        expected = loop.time() + self.interval_s
+        self._handle = loop.call_at(expected, self._tick, loop, expected)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, expected: float) -> None:
+        self._gauge.set(max(0.0, loop.time() - expected))
+        expected = loop.time() + self.interval_s
+        self._handle = loop.call_at(expected, self._tick, loop, expected)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+
+
 class ServerMetrics:
     """Every metric the server exports, in its own registry."""
 
@@ -105,6 +129,10 @@ class ServerMetrics:
             buckets=SECONDS_BUCKETS, registry=r)
         self.pending = Gauge("encoder_pending_requests", "Admitted but unfinished requests", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting in the scheduler queue", registry=r)
+        self.loop_lag = Gauge("encoder_event_loop_lag_seconds",
+                              "How late the event loop ran its last once-a-second timer", registry=r)
+        self.healthy = Gauge("encoder_healthy", "1 when the last health probe passed and the server is not draining",
+                             registry=r)
         self.bytes_sent = Counter(
             "encoder_embedding_bytes_sent_total", "Embedding bytes sent to callers and prefill ranks",
             registry=r)

@@ -80,15 +80,20 @@ class EncoderScheduler:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="encoder-scheduler")
 
+    def fail_queued(self, message: str) -> None:
+        """Fail every request still waiting for a batch with 503 (batches already running finish)."""
+        self._absorb_inbox()
+        for queue in self._queues.values():
+            while queue:
+                pending = queue.popleft()
+                _fail(pending, EncodeError(503, message, pending.job.req_id, headers={"Retry-After": "1"}))
+
     async def stop(self) -> None:
         """Stop dispatching and fail whatever is still queued with 503."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._absorb_inbox()
-        for queue in self._queues.values():
-            while queue:
-                _fail(queue.popleft(), EncodeError(503, "server is shutting down"))
+        self.fail_queued("server is shutting down")
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 

@@ -21,9 +21,10 @@ from pydantic import ValidationError
 from processors import DTYPE_NAMES, EncoderAdapter
 
 from .engine import EncoderEngine
+from .health import HealthProbe
 from .jobs import EncodeError, EncodeJob, EncodeOutcome
 from .media import MediaError, MediaLimits, MediaLoader, parse_item
-from .metrics import ServerMetrics
+from .metrics import LoopLagMonitor, ServerMetrics
 from .policy import BatchPolicy
 from .scheduler import EncoderScheduler, PendingRequest
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
@@ -67,6 +68,10 @@ class EncoderService:
         self.registrations: Registrations | None = None  # made in start(), on the event loop
         self._background: set[asyncio.Task] = set()
         self._in_flight: set[tuple[str, int]] = set()
+        self.draining = False
+        self._drained = asyncio.Event()
+        self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
+        self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
 
     @property
     def pending(self) -> int:
@@ -78,8 +83,53 @@ class EncoderService:
         ttl_s = self.settings.req_timeout_s + self.settings.send_timeout_s
         self.registrations = Registrations(self.sender, ttl_s=ttl_s)
         self.scheduler.start()
+        self._loop_lag.start()
+        self.health.verdict()  # the first probe starts now, in the background
+
+    def healthy(self) -> tuple[bool, str]:
+        """Whether `/health` should say ok, and why not."""
+        if self.draining:
+            verdict = (False, "draining: the server is shutting down")
+        elif not self.scheduler.running:
+            verdict = (False, "the scheduler is not running")
+        else:
+            verdict = self.health.verdict()
+        self.metrics.healthy.set(1 if verdict[0] else 0)
+        return verdict
+
+    async def _probe(self) -> None:
+        """A tiny built-in input through decode, scheduler, processor, forward and slicing."""
+        modality, data = self.adapter.sample_encoded()
+        source = parse_item(base64.b64encode(data).decode("ascii"), 0, modality)
+        loaded = await self.media.load(modality, [source], self.adapter.item_layout)
+        job = EncodeJob(req_id="__health_probe__", part_idx=0, num_parts=1, modality=modality,
+                        items=[item.decoded for item in loaded], layouts=[item.layout for item in loaded])
+        pending = PendingRequest(job, time.monotonic() + self.settings.health_probe_timeout_s,
+                                 asyncio.get_running_loop())
+        self.scheduler.submit(pending)
+        outcome = await pending.future
+        if outcome.embedding.shape != (job.tokens, self.adapter.info.hidden_size):
+            raise RuntimeError(f"probe embedding has shape {tuple(outcome.embedding.shape)}")
+        if not torch.isfinite(outcome.embedding).all():
+            raise RuntimeError("probe embedding holds NaN or infinite values")
+
+    def begin_drain(self) -> None:
+        """Stop admitting: new requests and /health get 503; those in flight go on."""
+        self.draining = True
+        if not self._in_flight:
+            self._drained.set()
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """True when every admitted request has left within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def stop(self) -> None:
+        self._loop_lag.stop()
+        await self.health.close()
         await self.scheduler.stop()
         if self.registrations is not None:
             await self.registrations.close()
@@ -97,6 +147,10 @@ class EncoderService:
         request = self._validate(payload)
         endpoints = self._endpoints(request)
         key = (request.req_id, request.part_idx)
+        if self.draining:
+            self.metrics.requests_total.labels(request.modality, "503").inc()
+            raise EncodeError(503, "the server is draining before shutdown", request.req_id,
+                              headers={"Retry-After": "1"})
         if len(self._in_flight) >= self.settings.max_pending:
             self.metrics.requests_total.labels(request.modality, "503").inc()
             raise EncodeError(503, f"overloaded: {self.settings.max_pending} requests pending",
@@ -130,10 +184,15 @@ class EncoderService:
             raise
         finally:
             self._in_flight.discard(key)
+            if self.draining and not self._in_flight:
+                self._drained.set()
             self.metrics.pending.set(len(self._in_flight))
             self.metrics.requests_total.labels(request.modality, status).inc()
             elapsed = time.monotonic() - started
             self.metrics.request_duration.labels(request.modality).observe(elapsed)
+            log.debug("request req_id=%s part=%d modality=%s items=%d status=%s duration_ms=%.1f",
+                      request.req_id, request.part_idx, request.modality, len(request.mm_items), status,
+                      elapsed * 1e3)
 
     def _validate(self, payload: Any) -> EncodeRequest:
         if not isinstance(payload, dict):

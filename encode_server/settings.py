@@ -89,6 +89,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--video-fps", float, 2.0, "frames per second sampled from a video file"),
     Option("--max-video-frames", int, 32,
            "most frames taken from one video: a file is sampled down to it, a longer frame list is refused"),
+    Option("--drain-timeout-s", float, 30.0,
+           "on SIGTERM or SIGINT, how long requests in flight may take to finish before the server exits"),
+    Option("--health-probe-interval-s", float, 5.0,
+           "/health pushes a tiny input through the encoder at most this often (the verdict is cached)"),
+    Option("--health-probe-timeout-s", float, 60.0, "a health probe still running after this makes /health 503"),
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
@@ -121,6 +126,9 @@ class Settings:
     max_audio_seconds: float = 30.0
     video_fps: float = 2.0
     max_video_frames: int = 32
+    drain_timeout_s: float = 30.0
+    health_probe_interval_s: float = 5.0
+    health_probe_timeout_s: float = 60.0
     media_workers: int = 4
     log_level: str = "info"
 
@@ -130,10 +138,11 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens"):
+        for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s",
+                     "health_probe_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "video_fps", "send_timeout_s"):
+        for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.req_timeout_s <= 0:

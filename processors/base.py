@@ -82,6 +82,15 @@ class EncoderAdapter(ABC):
     def sample_item(self) -> tuple[str, Any]:
         """A tiny decoded item of a supported modality, for warm-up and health probes."""
 
+    def sample_encoded(self) -> tuple[str, bytes]:
+        """`sample_item` as the bytes of a file a client could send (PNG here; audio adapters say WAV)."""
+        import io
+
+        modality, image = self.sample_item()
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        return modality, buffer.getvalue()
+
     def warmup(self) -> None:
         """One forward on a tiny input, so the first real request does not pay for lazy initialisation."""
         modality, item = self.sample_item()

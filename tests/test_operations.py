@@ -1,0 +1,240 @@
+"""Operations: metrics that move, the dashboard against live metric names, graceful drain on
+SIGTERM, the cached health probe, and structured logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import Gauge
+from prometheus_client.parser import text_string_to_metric_families
+
+from encode_server.health import HealthProbe
+from encode_server.metrics import LoopLagMonitor, PerformanceWindow
+
+from .helpers import ROOT, ServerProcess, image_b64
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "encode-server.json"
+
+
+def families(url: str) -> dict:
+    return {family.name: family for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+
+
+def sample(fams: dict, name: str, sample_name: str | None = None, **labels) -> float:
+    family = fams[name]
+    for s in family.samples:
+        if s.name == (sample_name or name) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--health-probe-interval-s", "0.3", "--log-level", "debug") as process:
+        yield process
+
+
+def test_metrics_move_under_load_with_millisecond_buckets(server):
+    before = families(server.url)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(server.url + "/encode", json={
+                "req_id": f"m{i}", "modality": "image", "mm_items": [image_b64(56, 56, seed=i)],
+                "return_embedding": True}) for i in range(24)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    httpx.post(server.url + "/encode", json={"req_id": "bad", "modality": "image", "mm_items": ["@@"]})
+    after = families(server.url)
+    ok = "encoder_requests"
+    assert sample(after, ok, "encoder_requests_total", status="200") - \
+        sample(before, ok, "encoder_requests_total", status="200") == 24
+    assert sample(after, ok, "encoder_requests_total", status="400") >= 1
+    for histogram in ("encoder_batch_size", "encoder_batch_tokens", "encoder_queue_wait_seconds",
+                      "encoder_forward_seconds", "encoder_request_duration_seconds", "encoder_preprocess_seconds",
+                      "encoder_transfer_seconds"):
+        assert sample(after, histogram, histogram + "_count") > sample(before, histogram, histogram + "_count"), \
+            histogram
+    buckets = {s.labels["le"] for s in after["encoder_forward_seconds"].samples if s.name.endswith("_bucket")}
+    assert {"0.001", "0.0025", "0.005"} <= buckets, "millisecond encoders need millisecond buckets"
+    assert sample(after, "encoder_embedding_bytes_sent", "encoder_embedding_bytes_sent_total") >= 24 * 4 * 128 * 4
+    assert sample(after, "encoder_pending_requests") == 0
+    assert "encoder_event_loop_lag_seconds" in after and "encoder_queue_depth" in after
+    assert sample(after, "encoder_healthy") == 1
+
+
+def test_every_dashboard_query_uses_an_exported_metric(server):
+    httpx.post(server.url + "/encode", json={"req_id": "dash", "modality": "image", "mm_items": [image_b64(56, 56)]})
+    exported = set()
+    for family in families(server.url).values():
+        exported.update(s.name for s in family.samples)
+        exported.add(family.name)
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(queries) >= 10
+    used = {name for query in queries for name in re.findall(r"\bencoder_[a-z_]+\b", query)}
+    assert used and used <= exported, f"not exported: {sorted(used - exported)}"
+    titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
+    for topic in ("throughput", "latency", "batch size", "queue", "errors"):
+        assert topic in titles
+
+
+def test_health_probe_goes_through_the_encoder_and_is_cached(server):
+    forwards = lambda: sample(families(server.url), "encoder_batch_size", "encoder_batch_size_count")  # noqa: E731
+    start = forwards()
+    for _ in range(3):
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        time.sleep(0.4)
+    probed = forwards()
+    assert probed >= start + 2, "a /health older than the interval must run a probe through the encoder"
+    for _ in range(5):  # inside the interval: cached, no new forward
+        httpx.get(server.url + "/health")
+    assert forwards() <= probed + 1
+
+
+def test_structured_logs_per_batch_and_per_request(server):
+    httpx.post(server.url + "/encode", json={"req_id": "logged-req", "modality": "image",
+                                            "mm_items": [image_b64(56, 56)]})
+    time.sleep(0.2)
+    log = server.log()
+    assert re.search(r"batch modality=image size=\d+ items=\d+ tokens=\d+ preprocess_ms=[\d.]+ forward_ms=", log)
+    assert re.search(r"request req_id=logged-req part=0 modality=image items=1 status=200 duration_ms=", log)
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_zero():
+    with ServerProcess("--max-wait-ms", "1500", "--min-batch-size", "100", "--hard-timeout-additional-s", "0",
+                       "--drain-timeout-s", "10") as server:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=30) as client:
+                in_flight = [asyncio.ensure_future(client.post(server.url + "/encode", json={
+                    "req_id": f"drain-{i}", "modality": "image", "mm_items": [image_b64(56, 56)]}))
+                    for i in range(4)]
+                await asyncio.sleep(0.4)
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                health = await client.get(server.url + "/health")
+                refused = await client.post(server.url + "/encode", json={
+                    "req_id": "late", "modality": "image", "mm_items": [image_b64(56, 56)]})
+                return health, refused, await asyncio.gather(*in_flight)
+
+        health, refused, answers = asyncio.run(scenario())
+        assert health.status_code == 503 and "draining" in health.json()["message"]
+        assert refused.status_code == 503 and refused.headers.get("retry-after")
+        assert [a.status_code for a in answers] == [200] * 4
+        assert server.proc.wait(timeout=20) == 0
+
+
+def test_drain_timeout_fails_what_is_left_and_still_exits_zero():
+    with ServerProcess("--max-wait-ms", "30000", "--min-batch-size", "100", "--drain-timeout-s", "0.5") as server:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=30) as client:
+                stuck = asyncio.ensure_future(client.post(server.url + "/encode", json={
+                    "req_id": "stuck", "modality": "image", "mm_items": [image_b64(56, 56)]}))
+                await asyncio.sleep(0.4)
+                server.proc.send_signal(signal.SIGTERM)
+                return await stuck
+
+        started = time.monotonic()
+        answer = asyncio.run(scenario())
+        assert answer.status_code == 503 and time.monotonic() - started < 10
+        assert server.proc.wait(timeout=20) == 0
+
+
+# --- the pieces on their own ------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_health_probe_caches_refreshes_and_times_out():
+    clock = FakeClock()
+    calls = []
+    gate = asyncio.Event()
+
+    async def probe():
+        calls.append(clock.now)
+        if len(calls) == 2:
+            raise RuntimeError("forward exploded")
+        if len(calls) == 3:
+            await gate.wait()
+
+    async def settle():  # let the probe task run to its end
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    async def scenario():
+        health = HealthProbe(probe, interval_s=5, timeout_s=10, clock=clock)
+        assert health.verdict() == (True, "first probe running")
+        await settle()
+        assert health.verdict() == (True, "ok") and len(calls) == 1
+        clock.now = 4.9
+        health.verdict()
+        await settle()
+        assert len(calls) == 1, "fresh verdicts are cached"
+        clock.now = 5.0
+        health.verdict()
+        await settle()
+        ok, message = health.verdict()
+        assert not ok and "forward exploded" in message
+        clock.now = 10.0
+        health.verdict()  # third probe hangs
+        await settle()
+        assert health.verdict()[0] is False  # still the last verdict while it runs
+        clock.now = 21.0
+        ok, message = health.verdict()
+        assert not ok and "has not finished" in message
+        gate.set()
+        await health.close()
+
+    asyncio.run(scenario())
+
+
+def test_loop_lag_monitor_sees_a_blocked_loop():
+    from prometheus_client import CollectorRegistry
+
+    gauge = Gauge("lag_test", "lag", registry=CollectorRegistry())
+
+    async def scenario():
+        monitor = LoopLagMonitor(gauge, interval_s=0.05)
+        monitor.start()
+        await asyncio.sleep(0.12)
+        quiet = gauge._value.get()
+        time.sleep(0.3)  # block the loop on purpose: the next tick runs about 0.3 s late
+        await asyncio.sleep(0)
+        monitor.stop()
+        return quiet
+
+    quiet = asyncio.run(scenario())
+    assert quiet < 0.05
+    assert 0.2 <= gauge._value.get() < 1.0
+
+
+def test_performance_window_forgets_after_its_span():
+    clock = FakeClock()
+    window = PerformanceWindow(window_s=60, clock=clock)
+    for latency in (0.01, 0.02, 0.03, 0.5):
+        window.record(latency, batch_size=4)
+    clock.now = 10
+    summary = window.summary(max_batch_size=8, queue_depth=3)
+    assert summary["requests"] == 4 and summary["avg_batch_size"] == 4 and summary["batching_efficiency"] == 0.5
+    assert summary["latency_ms"]["p50"] == pytest.approx(30) and summary["latency_ms"]["p99"] == pytest.approx(500)
+    assert summary["queue_depth"] == 3 and summary["throughput_rps"] == pytest.approx(0.4)
+    clock.now = 71
+    assert window.summary(8, 0)["requests"] == 0
+
+
+def test_dashboard_file_is_valid_grafana_json():
+    dashboard = json.loads(Path(DASHBOARD).read_text())
+    assert dashboard["title"] == "encode-server" and dashboard["panels"]
+    assert all("gridPos" in panel and panel["targets"] for panel in dashboard["panels"])
