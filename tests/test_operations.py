@@ -211,7 +211,7 @@ def test_loop_lag_monitor_sees_a_blocked_loop():
         await asyncio.sleep(0.12)
         quiet = gauge._value.get()
         time.sleep(0.3)  # block the loop on purpose: the next tick runs about 0.3 s late
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # the overdue tick runs before this timer
         monitor.stop()
         return quiet
 
