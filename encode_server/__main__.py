@@ -23,11 +23,28 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from .http_server import create_app
 
+    group = None
+    world = max(settings.tp_size, settings.dp_size)
+    if world > 1:
+        import torch
+
+        from .parallel.ranks import WorkerGroup
+
+        if settings.device in ("auto", "cpu") and not torch.cuda.is_available():
+            torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the cores
+        group = WorkerGroup(settings, "tp" if settings.tp_size > 1 else "dp", world)
+        group.start()  # the other ranks load the model while this one does
     try:
         adapter = load_adapter(settings.model, settings.device, settings.dtype)
-    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        if group is not None and group.role == "tp":
+            from .parallel.ranks import join_tensor_parallel
+
+            adapter = join_tensor_parallel(adapter, group)
+    except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
+        if group is not None:
+            group.stop()
         sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
-    app = create_app(settings, adapter)
+    app = create_app(settings, adapter, group)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
     DrainingServer(config, app, settings.drain_timeout_s).run()

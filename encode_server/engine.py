@@ -44,6 +44,7 @@ class EncoderEngine:
         self.metrics = metrics
         self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess")
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward")
+        self.replicas = None  # parallel.ranks.DataParallelReplicas when --dp-size > 1
 
     def close(self) -> None:
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
@@ -64,22 +65,49 @@ class EncoderEngine:
         return outcomes
 
     async def _encode_fused(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodeOutcome]:
+        if self.replicas is None:
+            return await self._encode_here(modality, jobs)
+        replica = self.replicas.pick()
+        self.replicas.in_flight[replica] += 1
+        try:
+            if replica == 0:
+                return await self._encode_here(modality, jobs)
+            rows, layouts, elapsed = await self.replicas.run_remote(replica, modality, jobs)
+            self._check_layouts(jobs, layouts, rows)
+            return self._outcomes(modality, jobs, rows, 0.0, elapsed, f"replica={replica}")
+        finally:
+            self.replicas.in_flight[replica] -= 1
+
+    async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodeOutcome]:
         loop = asyncio.get_running_loop()
+        self.adapter.before_batch(modality, jobs)
         items = [item for job in jobs for item in job.items]
         prepared, preprocess_s = await loop.run_in_executor(
             self._preprocess_pool, _timed, self.adapter.preprocess, modality, items)
-        expected = [layout for job in jobs for layout in job.layouts]
-        if prepared.layouts != expected:
-            raise RuntimeError(f"processor grids {prepared.layouts} differ from the admitted layouts {expected}")
+        # The forward runs even for a batch that does not look right, so that tensor-parallel ranks
+        # reach their layout agreement together; the checks come after it.
         rows, forward_s = await loop.run_in_executor(self._forward_pool, _timed, self.adapter.forward, prepared)
         self.adapter.split_rows(prepared, rows)  # checks the row count against the grids
-
+        self._check_layouts(jobs, prepared.layouts, rows)
         self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
-        self.metrics.forward.labels(modality).observe(forward_s)
-        self.metrics.batch_tokens.labels(modality).observe(prepared.total_tokens)
-        log.info("batch modality=%s size=%d items=%d tokens=%d preprocess_ms=%.1f forward_ms=%.1f",
-                 modality, len(jobs), len(items), prepared.total_tokens, preprocess_s * 1e3, forward_s * 1e3)
+        return self._outcomes(modality, jobs, rows, preprocess_s, forward_s, "replica=0")
 
+    @staticmethod
+    def _check_layouts(jobs: Sequence[EncodeJob], layouts: list, rows: torch.Tensor) -> None:
+        expected = [layout for job in jobs for layout in job.layouts]
+        if list(layouts) != expected:
+            raise RuntimeError(f"processor grids {layouts} differ from the admitted layouts {expected}")
+        if rows.shape[0] != sum(layout.tokens for layout in expected):
+            raise RuntimeError(f"forward produced {rows.shape[0]} rows for {sum(j.tokens for j in jobs)} tokens")
+
+    def _outcomes(self, modality: str, jobs: Sequence[EncodeJob], rows: torch.Tensor, preprocess_s: float,
+                  forward_s: float, where: str) -> list[EncodeOutcome]:
+        tokens = rows.shape[0]
+        self.metrics.forward.labels(modality).observe(forward_s)
+        self.metrics.batch_tokens.labels(modality).observe(tokens)
+        log.info("batch modality=%s size=%d items=%d tokens=%d preprocess_ms=%.1f forward_ms=%.1f %s",
+                 modality, len(jobs), sum(len(job.items) for job in jobs), tokens, preprocess_s * 1e3,
+                 forward_s * 1e3, where)
         outcomes, start = [], 0
         for job in jobs:
             end = start + job.tokens

@@ -96,14 +96,14 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-def create_app(settings: Settings, adapter=None) -> FastAPI:
+def create_app(settings: Settings, adapter=None, group=None) -> FastAPI:
     """The app for `settings`; the model is built at start-up unless an `adapter` is given."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         encoder = adapter or await asyncio.to_thread(load_adapter, settings.model, settings.device, settings.dtype)
         await asyncio.to_thread(encoder.warmup)
-        service = EncoderService(settings, encoder)
+        service = EncoderService(settings, encoder, group)
         await service.start()
         app.state.service = service
         log.info("serving %s (%s) on %s with %s", encoder.info.name, encoder.info.family,

@@ -38,6 +38,7 @@ class EncodeJob:
     items: list[Any]  # decoded media (PIL images, frame lists, waveforms)
     layouts: list[Any]  # processors.ItemLayout per item
     preprocess_s: float = 0.0  # time spent fetching and decoding the items
+    raw_items: list[Any] = field(default_factory=list)  # each item's file bytes (or frames' bytes)
 
     @property
     def tokens(self) -> int:

@@ -242,12 +242,29 @@ class MediaLimits:
     extra_allowed_networks: tuple = ()  # tests only: loopback networks treated as public
 
 
+def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str) -> Any:
+    """One item's file bytes decoded for `modality` (an image, a waveform, or a video's frames)."""
+    if modality == "image":
+        return decode_image(data, limits.max_image_pixels, location)
+    if modality == "audio":
+        return decode_audio(data, limits.audio_sample_rate, limits.max_audio_seconds, location)
+    return decode_video(data, limits.video_fps, limits.max_video_frames, limits.max_image_pixels, location)
+
+
+def decode_frames(frames: list[bytes], limits: MediaLimits, location: str) -> list[Image.Image]:
+    """A video given as a list of image files."""
+    return [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]")
+            for index, data in enumerate(frames)]
+
+
 @dataclass(frozen=True)
 class LoadedItem:
-    """One decoded item and what the model will make of it (e.g. its `ItemLayout`)."""
+    """One decoded item, what the model will make of it (its `ItemLayout`), and its raw bytes
+    (what tensor-parallel ranks and replicas are sent to decode for themselves)."""
 
     decoded: Any
     layout: Any
+    raw: bytes | list[bytes] = b""
 
 
 class MediaLoader:
@@ -367,24 +384,14 @@ class MediaLoader:
     def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,
                 describe: Callable[[str, Any], Any]) -> LoadedItem:
         data = self._bytes_of(raw)
-        limits = self.limits
-        decoded: Any
-        if modality == "image":
-            decoded = decode_image(data, limits.max_image_pixels, source.location)
-        elif modality == "audio":
-            decoded = decode_audio(data, limits.audio_sample_rate, limits.max_audio_seconds, source.location)
-        else:
-            decoded = decode_video(data, limits.video_fps, limits.max_video_frames, limits.max_image_pixels,
-                                   source.location)
-        return LoadedItem(decoded, _describe(describe, modality, decoded, source.location))
+        decoded = decode_bytes(modality, data, self.limits, source.location)
+        return LoadedItem(decoded, _describe(describe, modality, decoded, source.location), data)
 
     def _decode_frames(self, frame_bytes: list[bytes | MediaSource], source: MediaSource, modality: str,
                        describe: Callable[[str, Any], Any]) -> LoadedItem:
-        frames = [
-            decode_image(self._bytes_of(raw), self.limits.max_image_pixels, frame.location)
-            for raw, frame in zip(frame_bytes, source.value)
-        ]
-        return LoadedItem(frames, _describe(describe, modality, frames, source.location))
+        datas = [self._bytes_of(raw) for raw in frame_bytes]
+        frames = decode_frames(datas, self.limits, source.location)
+        return LoadedItem(frames, _describe(describe, modality, frames, source.location), datas)
 
 
 def _describe(describe: Callable[[str, Any], Any], modality: str, decoded: Any, location: str) -> Any:

@@ -30,10 +30,12 @@ log = logging.getLogger("encode_server.scheduler")
 class PendingRequest:
     """A job waiting for its embedding: the job, the future its caller awaits, and its clock times."""
 
-    __slots__ = ("job", "future", "submit_time", "deadline", "view")
+    __slots__ = ("job", "future", "submit_time", "deadline", "view", "probe")
 
-    def __init__(self, job: EncodeJob, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, job: EncodeJob, deadline: float, loop: asyncio.AbstractEventLoop,
+                 probe: bool = False) -> None:
         self.job = job
+        self.probe = probe  # a health probe: runs alone as soon as there is room, never waits for company
         self.future: asyncio.Future[EncodeOutcome] = loop.create_future()
         self.submit_time = time.monotonic()
         self.deadline = deadline  # monotonic seconds
@@ -63,6 +65,7 @@ class EncoderScheduler:
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self._inbox: deque[PendingRequest] = deque()
+        self._probes: deque[PendingRequest] = deque()
         self._queues: dict[str, deque[PendingRequest]] = {}
         self._wake = asyncio.Event()
         self._in_flight = 0
@@ -83,6 +86,8 @@ class EncoderScheduler:
     def fail_queued(self, message: str) -> None:
         """Fail every request still waiting for a batch with 503 (batches already running finish)."""
         self._absorb_inbox()
+        while self._probes:
+            _fail(self._probes.popleft(), EncodeError(503, message))
         for queue in self._queues.values():
             while queue:
                 pending = queue.popleft()
@@ -109,6 +114,10 @@ class EncoderScheduler:
             now = time.monotonic()
             self._drop_dead(now)
             timeout: float | None = None
+            while self._probes and self._in_flight < self.max_in_flight:
+                probe = self._probes.popleft()
+                if not probe.future.done():
+                    self._start_batch(probe.job.modality, [probe], now)
             while self._in_flight < self.max_in_flight:
                 decision = decide({m: _Views(q) for m, q in self._queues.items() if q}, now, self.policy)
                 if isinstance(decision, Dispatch):
@@ -129,7 +138,10 @@ class EncoderScheduler:
     def _absorb_inbox(self) -> None:
         while self._inbox:
             pending = self._inbox.popleft()
-            self._queues.setdefault(pending.job.modality, deque()).append(pending)
+            if pending.probe:
+                self._probes.append(pending)
+            else:
+                self._queues.setdefault(pending.job.modality, deque()).append(pending)
 
     def _drop_dead(self, now: float) -> None:
         """Requests whose callers gave up (cancelled, disconnected, timed out) never reach the encoder."""
@@ -152,8 +164,11 @@ class EncoderScheduler:
         for pending in batch:
             self.metrics.queue_wait.labels(decision.modality).observe(now - pending.submit_time)
         self.metrics.batch_size.labels(decision.modality).observe(len(batch))
+        self._start_batch(decision.modality, batch, now)
+
+    def _start_batch(self, modality: str, batch: list[PendingRequest], now: float) -> None:
         self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._run_batch(decision.modality, batch, now))
+        task = asyncio.get_running_loop().create_task(self._run_batch(modality, batch, now))
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 

@@ -25,6 +25,7 @@ from .health import HealthProbe
 from .jobs import EncodeError, EncodeJob, EncodeOutcome
 from .media import MediaError, MediaLimits, MediaLoader, parse_item
 from .metrics import LoopLagMonitor, ServerMetrics
+from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
 from .scheduler import EncoderScheduler, PendingRequest
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
@@ -41,9 +42,11 @@ _INLINE_ENCODE_LIMIT = 256 * 1024
 class EncoderService:
     """Everything one server process needs to answer `/encode`."""
 
-    def __init__(self, settings: Settings, adapter: EncoderAdapter) -> None:
+    def __init__(self, settings: Settings, adapter: EncoderAdapter, group: WorkerGroup | None = None) -> None:
         self.settings = settings
         self.adapter = adapter
+        self.group = group
+        self.broken: str | None = None  # why the server can no longer encode (a tensor-parallel rank died)
         self.metrics = ServerMetrics()
         self.started_at = time.time()
         self.policy = BatchPolicy(
@@ -63,7 +66,7 @@ class EncoderService:
         )
         self.media = MediaLoader(self._media_pool, limits)
         self.engine = EncoderEngine(adapter, self.metrics)
-        self.scheduler = EncoderScheduler(self.engine, self.policy, self.metrics)
+        self.scheduler = EncoderScheduler(self.engine, self.policy, self.metrics, max_in_flight=2 * settings.dp_size)
         self.sender = EmbeddingSender(settings.send_timeout_s)
         self.registrations: Registrations | None = None  # made in start(), on the event loop
         self._background: set[asyncio.Task] = set()
@@ -82,13 +85,28 @@ class EncoderService:
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
         ttl_s = self.settings.req_timeout_s + self.settings.send_timeout_s
         self.registrations = Registrations(self.sender, ttl_s=ttl_s)
+        if self.group is not None:
+            loop = asyncio.get_running_loop()
+            if self.group.role == "dp":
+                self.engine.replicas = DataParallelReplicas(self.group, loop)
+            self.group.on_death(lambda worker: loop.call_soon_threadsafe(self._rank_died, worker))
         self.scheduler.start()
         self._loop_lag.start()
         self.health.verdict()  # the first probe starts now, in the background
 
+    def _rank_died(self, worker) -> None:
+        if self.group is not None and self.group.role == "dp":
+            self.engine.replicas.replica_died(worker.rank)  # its batches are retried on the others
+            return
+        self.broken = (f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited; "
+                       f"this server cannot encode until it is restarted")
+        self.scheduler.fail_queued(self.broken)
+
     def healthy(self) -> tuple[bool, str]:
         """Whether `/health` should say ok, and why not."""
-        if self.draining:
+        if self.broken:
+            verdict = (False, self.broken)
+        elif self.draining:
             verdict = (False, "draining: the server is shutting down")
         elif not self.scheduler.running:
             verdict = (False, "the scheduler is not running")
@@ -103,9 +121,10 @@ class EncoderService:
         source = parse_item(base64.b64encode(data).decode("ascii"), 0, modality)
         loaded = await self.media.load(modality, [source], self.adapter.item_layout)
         job = EncodeJob(req_id="__health_probe__", part_idx=0, num_parts=1, modality=modality,
-                        items=[item.decoded for item in loaded], layouts=[item.layout for item in loaded])
+                        items=[item.decoded for item in loaded], layouts=[item.layout for item in loaded],
+                        raw_items=[item.raw for item in loaded])
         pending = PendingRequest(job, time.monotonic() + self.settings.health_probe_timeout_s,
-                                 asyncio.get_running_loop())
+                                 asyncio.get_running_loop(), probe=True)
         self.scheduler.submit(pending)
         outcome = await pending.future
         if outcome.embedding.shape != (job.tokens, self.adapter.info.hidden_size):
@@ -138,6 +157,8 @@ class EncoderService:
         await asyncio.gather(*self._background, return_exceptions=True)
         self.sender.close()
         await self.media.close()
+        if self.group is not None:
+            await asyncio.to_thread(self.group.stop)
         self.engine.close()
         self._media_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -147,6 +168,9 @@ class EncoderService:
         request = self._validate(payload)
         endpoints = self._endpoints(request)
         key = (request.req_id, request.part_idx)
+        if self.broken:
+            self.metrics.requests_total.labels(request.modality, "503").inc()
+            raise EncodeError(503, self.broken, request.req_id, headers={"Retry-After": "5"})
         if self.draining:
             self.metrics.requests_total.labels(request.modality, "503").inc()
             raise EncodeError(503, "the server is draining before shutdown", request.req_id,
@@ -175,10 +199,12 @@ class EncoderService:
             self._notify_failure(request, endpoints, error)
             raise error from None
         except EncodeError as error:
+            if error.status == 500 and self.broken:
+                error = EncodeError(503, self.broken, request.req_id, headers={"Retry-After": "5"})
             status = str(error.status)
             if error.status != 502:
                 self._notify_failure(request, endpoints, error)
-            raise
+            raise error from None
         except asyncio.CancelledError:
             status = "cancelled"
             raise
@@ -240,6 +266,7 @@ class EncoderService:
             req_id=request.req_id, part_idx=request.part_idx, num_parts=request.num_parts,
             modality=request.modality, items=[item.decoded for item in loaded],
             layouts=[item.layout for item in loaded], preprocess_s=decode_s,
+            raw_items=[item.raw for item in loaded],
         )
         pending = PendingRequest(job, deadline, asyncio.get_running_loop())
         self.scheduler.submit(pending)
@@ -352,7 +379,8 @@ class EncoderService:
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
                       "hidden_size": info.hidden_size, "device": str(self.adapter.device),
                       "dtype": DTYPE_NAMES[self.adapter.dtype]},
-            "ranks": [{"rank": 0, "pid": os.getpid(), "role": "tp", "alive": True}],
+            "ranks": self.group.ranks() if self.group else [{"rank": 0, "pid": os.getpid(), "role": "tp",
+                                                             "alive": True}],
             "pending": self.pending,
             "queue_depth": self.scheduler.queue_depth,
             "uptime_s": time.time() - self.started_at,

@@ -75,6 +75,11 @@ OPTIONS: tuple[Option, ...] = (
            aliases=("SGLANG_ENCODER_REQ_TIMEOUT",)),
     Option("--send-timeout-s", float, 30.0,
            "longest wait for an embedding's destination to take it (and for receivers to register)"),
+    Option("--tp-size", int, 1,
+           "tensor-parallel ranks: the encoder is split over this many processes (one per GPU), started by rank 0"),
+    Option("--dp-size", int, 1,
+           "data-parallel replicas: whole copies of the encoder in this many processes (one per GPU), "
+           "each batch to the least loaded"),
     Option("--api-key", str, None,
            "when set, every endpoint but /health needs 'Authorization: Bearer <key>' (else 401)"),
     Option("--allow-private-urls", parse_bool, False,
@@ -118,6 +123,8 @@ class Settings:
     max_pending: int = 1024
     req_timeout_s: float = 180.0
     send_timeout_s: float = 30.0
+    tp_size: int = 1
+    dp_size: int = 1
     api_key: str | None = None
     allow_private_urls: bool = False
     allowed_local_media_dir: str | None = None
@@ -134,7 +141,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
-                    "max_image_pixels", "media_workers", "max_video_frames")
+                    "max_image_pixels", "media_workers", "max_video_frames", "tp_size", "dp_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -145,6 +152,9 @@ class Settings:
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.tp_size > 1 and self.dp_size > 1:
+            raise ValueError("--tp-size and --dp-size cannot both be above 1 in one server: run one server per "
+                             "tensor-parallel group and balance across them")
         if self.req_timeout_s <= 0:
             raise ValueError(f"--req-timeout-s must be positive, got {self.req_timeout_s}")
         if not 0 <= self.port <= 65535:

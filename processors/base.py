@@ -70,6 +70,9 @@ class EncoderAdapter(ABC):
     def item_layout(self, modality: str, item: Any) -> ItemLayout:
         """The rows one decoded item will produce; cheap (no pixels touched). Raises ItemError."""
 
+    def before_batch(self, modality: str, jobs: Sequence[Any]) -> None:  # noqa: B027 (optional hook)
+        """Called as a batch is formed, before `preprocess` (tensor parallelism announces it here)."""
+
     @abstractmethod
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
         """One processor call for all items of a batch (CPU work, runs in a thread)."""

@@ -87,7 +87,7 @@ def test_every_dashboard_query_uses_an_exported_metric(server):
 
 
 def test_health_probe_goes_through_the_encoder_and_is_cached(server):
-    forwards = lambda: sample(families(server.url), "encoder_batch_size", "encoder_batch_size_count")  # noqa: E731
+    forwards = lambda: sample(families(server.url), "encoder_forward_seconds", "encoder_forward_seconds_count")  # noqa: E731
     start = forwards()
     for _ in range(3):
         assert httpx.get(server.url + "/health").json() == {"status": "ok"}

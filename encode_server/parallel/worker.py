@@ -1,0 +1,139 @@
+"""A worker rank, started by rank 0: a tensor-parallel rank or a data-parallel replica.
+
+It builds the same model as rank 0 (built-ins come from a fixed seed; folders hold the same
+weights), then takes batches of raw request data from rank 0, in order, over a ZMQ channel, and
+decodes and preprocesses them itself.
+
+- A tensor-parallel rank joins `torch.distributed`, shards its encoder, and for every batch agrees
+  on the layout digest with the other ranks (an all-gather) before the forward, so that a rank
+  that could not prepare a batch makes every rank skip it instead of waiting in a collective.
+- A data-parallel replica runs whole batches and sends the rows back.
+
+The worker dies with rank 0 (PR_SET_PDEATHSIG), so no rank outlives the server.
+
+    python -m encode_server.parallel.worker --role tp --rank 1 --world-size 2 ...  (rank 0 runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import signal
+import sys
+
+import torch
+import zmq
+
+from processors import load_adapter
+
+from ..media import MediaError, MediaLimits, decode_bytes, decode_frames
+from ..settings import Settings
+from .channel import pack_result, unpack_batch
+
+log = logging.getLogger("encode_server.worker")
+
+
+def die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this process when rank 0 exits (a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def media_limits(settings: Settings, adapter) -> MediaLimits:
+    return MediaLimits(
+        max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
+        audio_sample_rate=getattr(adapter, "sampling_rate", 16000), max_audio_seconds=settings.max_audio_seconds,
+        video_fps=settings.video_fps, max_video_frames=settings.max_video_frames,
+    )
+
+
+def prepare(adapter, limits: MediaLimits, modality: str, raw_items: list):
+    """Decode and preprocess a batch as rank 0 did; returns (prepared, layouts)."""
+    decoded = []
+    for index, raw in enumerate(raw_items):
+        location = f"item {index}"
+        item = decode_frames(raw, limits, location) if isinstance(raw, list) else \
+            decode_bytes(modality, raw, limits, location)
+        decoded.append(item)
+    layouts = [adapter.item_layout(modality, item) for item in decoded]
+    return adapter.preprocess(modality, decoded), layouts
+
+
+def run_tensor_parallel(adapter, limits: MediaLimits, batches: zmq.Socket) -> None:
+    from .tensor_parallel import agree_on_layout
+
+    while True:
+        batch_id, modality, raw_items = unpack_batch(batches.recv_multipart())
+        try:
+            prepared, _ = prepare(adapter, limits, modality, raw_items)
+        except (MediaError, ValueError, RuntimeError) as exc:
+            log.warning("batch %d: could not prepare it here: %s", batch_id, exc)
+            prepared = None
+        try:
+            agree_on_layout(prepared)
+        except RuntimeError as exc:
+            log.warning("batch %d skipped: %s", batch_id, exc)
+            continue
+        adapter.forward(prepared)  # collectives inside; rank 0 keeps the rows
+
+
+def run_data_parallel(adapter, limits: MediaLimits, batches: zmq.Socket, results: zmq.Socket) -> None:
+    while True:
+        batch_id, modality, raw_items = unpack_batch(batches.recv_multipart())
+        try:
+            prepared, layouts = prepare(adapter, limits, modality, raw_items)
+            rows = adapter.forward(prepared)
+            adapter.split_rows(prepared, rows)
+            if prepared.layouts != layouts:
+                raise RuntimeError("processor grids differ from the items' layouts")
+            results.send_multipart(pack_result(batch_id, rows, prepared.layouts), copy=False)
+        except Exception as exc:  # reported to rank 0, which retries the requests elsewhere
+            results.send_multipart(pack_result(batch_id, None, [], error=f"{type(exc).__name__}: {exc}"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="encode-server worker rank (started by rank 0)")
+    parser.add_argument("--role", choices=("tp", "dp"), required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--settings-json", required=True)
+    parser.add_argument("--batch-endpoint", required=True)
+    parser.add_argument("--result-endpoint")
+    parser.add_argument("--dist-init")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    settings = Settings(**json.loads(args.settings_json))
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.world_size))
+    adapter = load_adapter(settings.model, args.device, settings.dtype)
+    limits = media_limits(settings, adapter)
+    context = zmq.Context()
+    batches = context.socket(zmq.PULL)
+    batches.connect(args.batch_endpoint)
+    if args.role == "tp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .tensor_parallel import shard_encoder
+
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=args.world_size)
+        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (args.world_size,))
+        shard_encoder(adapter, mesh)
+        run_tensor_parallel(adapter, limits, batches)
+    else:
+        results = context.socket(zmq.PUSH)
+        results.connect(args.result_endpoint)
+        adapter.warmup()
+        results.send_multipart(pack_result(-args.rank, None, []))  # ready
+        run_data_parallel(adapter, limits, batches, results)
+
+
+if __name__ == "__main__":
+    main()
