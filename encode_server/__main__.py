@@ -25,13 +25,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     group = None
     world = max(settings.tp_size, settings.dp_size)
+    set_cpu_threads(settings, world)
     if world > 1:
-        import torch
-
         from .parallel.ranks import WorkerGroup
 
-        if settings.device in ("auto", "cpu") and not torch.cuda.is_available():
-            torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the cores
         group = WorkerGroup(settings, "tp" if settings.tp_size > 1 else "dp", world)
         group.start()  # the other ranks load the model while this one does
     try:
@@ -48,6 +45,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
     DrainingServer(config, app, settings.drain_timeout_s).run()
+
+
+def set_cpu_threads(settings, ranks: int) -> None:
+    """On CPU, torch's intra-op threads get half the cores by default (shared among the ranks): the
+    rest is for the event loop, decoding and the processor. Measured on 2 cores, c=64: 503 req/s
+    with 1 thread against 349 with 2 (OpenMP threads spin and starve the other work)."""
+    import os
+
+    import torch
+
+    if settings.device not in ("auto", "cpu") or (settings.device == "auto" and torch.cuda.is_available()):
+        return
+    threads = settings.cpu_threads or max(1, (os.cpu_count() or 2) // 2)
+    torch.set_num_threads(max(1, threads // ranks))
 
 
 class DrainingServer:

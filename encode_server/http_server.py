@@ -9,12 +9,14 @@ section 2.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
-import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -42,6 +44,10 @@ class ApiKeyMiddleware:
         self.app = app
         self._key = api_key.encode()
 
+    @property
+    def state(self):
+        return self.app.state
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
@@ -59,9 +65,8 @@ def error_response(error: EncodeError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length")
+async def read_limited(declared: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """A request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
     if declared is not None:
         try:
             size = int(declared)
@@ -69,22 +74,100 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise EncodeError(400, f"bad Content-Length header {declared!r}") from None
         if size > limit:
             raise EncodeError(413, f"request body of {size} bytes is above the limit of {limit} bytes")
-    chunks: list[bytes] = []
+    parts: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
+    async for chunk in chunks:
         received += len(chunk)
         if received > limit:
             raise EncodeError(413, f"request body is above the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    return await read_limited(request.headers.get("content-length"), request.stream(), limit)
+
+
+async def answer_encode(service: EncoderService, limit: int, declared_length: str | None,
+                        chunks: AsyncIterator[bytes], hangup: Callable[[], Awaitable[None]],
+                        ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """One whole `/encode` exchange: (status, JSON body, headers). The request is raced against
+    `hangup`, so a client that goes away never costs an encoder forward."""
+    payload: Any = None
+    try:
+        body = await read_limited(declared_length, chunks, limit)
+        payload = await asyncio.to_thread(parse_json, body) if len(body) > _INLINE_JSON_LIMIT else parse_json(body)
+        work = asyncio.ensure_future(service.encode(payload))
+        gone = asyncio.ensure_future(hangup())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return CLIENT_CLOSED, {"status": "error", "message": "client disconnected",
+                                   "req_id": request_id_of(payload)}, {}
+        return 200, work.result(), {}
+    except EncodeError as error:
+        if error.req_id is None:
+            error.req_id = request_id_of(payload)
+        return error.status, error.body(), error.headers
+    except Exception as exc:  # a bug: still answer with the contract's error body
+        log.exception("unexpected error in /encode")
+        return 500, EncodeError(500, f"internal error: {exc}", request_id_of(payload)).body(), {}
+
+
+class EncodeFastPath:
+    """`POST /encode` straight from ASGI, in front of FastAPI: the hot path skips the framework's
+    middleware and routing (about 2 ms of CPU per request on this machine); every other request,
+    and the lifespan, go to the FastAPI app behind it."""
+
+    def __init__(self, app: FastAPI, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    @property
+    def state(self):
+        return self.app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/encode" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+
+        async def chunks():
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise EncodeError(CLIENT_CLOSED, "client disconnected")
+                yield message.get("body", b"")
+                if not message.get("more_body", False):
+                    return
+
+        async def hangup() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        service = getattr(self.app.state, "service", None)
+        if service is None:
+            status, body, headers = 503, {"status": "error", "message": "the encoder is starting", "req_id": None}, {}
+        else:
+            status, body, headers = await answer_encode(service, self.limit, declared, chunks(), hangup)
+        raw = orjson.dumps(body)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                                *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
+        await send({"type": "http.response.body", "body": raw})
 
 
 def parse_json(body: bytes) -> Any:
     if not body:
         raise EncodeError(400, "empty body: expected a JSON object")
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        return orjson.loads(body)
+    except (ValueError, RecursionError) as exc:  # orjson.JSONDecodeError is a ValueError
         raise EncodeError(400, f"body is not valid JSON: {str(exc)[:200]}") from None
 
 
@@ -96,8 +179,8 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-def create_app(settings: Settings, adapter=None, group=None) -> FastAPI:
-    """The app for `settings`; the model is built at start-up unless an `adapter` is given."""
+def create_app(settings: Settings, adapter=None, group=None):
+    """The ASGI app for `settings`; the model is built at start-up unless an `adapter` is given."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -106,6 +189,10 @@ def create_app(settings: Settings, adapter=None, group=None) -> FastAPI:
         service = EncoderService(settings, encoder, group)
         await service.start()
         app.state.service = service
+        # The model and its libraries leave ~a million long-lived objects; frozen, full collections
+        # under load stop scanning them (p99 at c=16 went from up to 290 ms to under 55 ms here).
+        gc.collect()
+        gc.freeze()
         log.info("serving %s (%s) on %s with %s", encoder.info.name, encoder.info.family,
                  encoder.device, encoder.dtype)
         try:
@@ -114,8 +201,6 @@ def create_app(settings: Settings, adapter=None, group=None) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="encode-server", version="0.1.0", lifespan=lifespan)
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -125,33 +210,11 @@ def create_app(settings: Settings, adapter=None, group=None) -> FastAPI:
     @app.post("/encode", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": EncodeRequest.model_json_schema()}}}})
     async def encode(request: Request) -> Response:
-        service: EncoderService = request.app.state.service
-        payload: Any = None
-        try:
-            body = await read_body(request, settings.max_request_bytes)
-            if len(body) > _INLINE_JSON_LIMIT:
-                payload = await asyncio.to_thread(parse_json, body)
-            else:
-                payload = parse_json(body)
-            work = asyncio.ensure_future(service.encode(payload))
-            hangup = asyncio.ensure_future(wait_for_disconnect(request))
-            try:
-                await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                hangup.cancel()
-            if not work.done():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                return JSONResponse({"status": "error", "message": "client disconnected",
-                                     "req_id": request_id_of(payload)}, status_code=CLIENT_CLOSED)
-            return JSONResponse(work.result())
-        except EncodeError as error:
-            if error.req_id is None:
-                error.req_id = request_id_of(payload)
-            return error_response(error)
-        except Exception as exc:  # a bug: still answer with the contract's error body
-            log.exception("unexpected error in /encode")
-            return error_response(EncodeError(500, f"internal error: {exc}", request_id_of(payload)))
+        """Documented here for the OpenAPI schema; `EncodeFastPath` answers it in production."""
+        status, body, headers = await answer_encode(
+            request.app.state.service, settings.max_request_bytes, request.headers.get("content-length"),
+            request.stream(), lambda: wait_for_disconnect(request))
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.post("/scheduler_receive_url", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": ReceiveUrlRequest.model_json_schema()}}}})
@@ -187,4 +250,5 @@ def create_app(settings: Settings, adapter=None, group=None) -> FastAPI:
     async def performance(request: Request) -> JSONResponse:
         return JSONResponse(request.app.state.service.performance())
 
-    return app
+    served = EncodeFastPath(app, settings.max_request_bytes)
+    return ApiKeyMiddleware(served, settings.api_key) if settings.api_key else served

@@ -99,6 +99,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--health-probe-interval-s", float, 5.0,
            "/health pushes a tiny input through the encoder at most this often (the verdict is cached)"),
     Option("--health-probe-timeout-s", float, 60.0, "a health probe still running after this makes /health 503"),
+    Option("--cpu-threads", int, 0,
+           "torch intra-op threads on CPU (0: half the cores, leaving the rest to HTTP, decoding and the processor)"),
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
@@ -136,6 +138,7 @@ class Settings:
     drain_timeout_s: float = 30.0
     health_probe_interval_s: float = 5.0
     health_probe_timeout_s: float = 60.0
+    cpu_threads: int = 0
     media_workers: int = 4
     log_level: str = "info"
 
@@ -145,7 +148,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s",
+        for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
                      "health_probe_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")

@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(**json.loads(args.settings_json))
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
-    torch.set_num_threads(max(1, torch.get_num_threads() // args.world_size))
+    if args.device == "cpu":
+        import os
+
+        torch.set_num_threads(max(1, (settings.cpu_threads or max(1, (os.cpu_count() or 2) // 2)) // args.world_size))
     adapter = load_adapter(settings.model, args.device, settings.dtype)
     limits = media_limits(settings, adapter)
     context = zmq.Context()

@@ -1,0 +1,1 @@
+"""Benchmarks: load generators, the forward-only ceiling, a Ray Serve peer, and `encode-bench`."""

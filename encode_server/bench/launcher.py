@@ -1,0 +1,69 @@
+"""Start `encode-server` (or any command serving HTTP) in a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m encode_server` in a subprocess on a free port; stopped on exit."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 120.0,
+                 module: str = "encode_server") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.module = module
+        self.args = ["--port", str(self.port), "--log-level", "warning", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    def __enter__(self) -> ServerProcess:
+        log = tempfile.NamedTemporaryFile("w+", prefix="encode-server-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path else ""
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,33 @@
+"""A smoke run of `encode-bench` with tiny numbers (the real runs are in docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from encode_server.bench.__main__ import main
+
+from .helpers import ROOT
+
+
+def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path):
+    out = tmp_path / "bench"
+    subprocess.run([sys.executable, "scripts/bench.py", "--compare", "on,off,ceiling", "--concurrency", "1,4",
+                    "--rates", "20", "--requests", "12", "--open-seconds", "1", "--out", str(out)],
+                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+    results = json.loads((out / "results.json").read_text())
+    points = results["points"]
+    assert {(p["config"], p["mode"]) for p in points} == {("on", "closed"), ("off", "closed"), ("on", "open"),
+                                                          ("off", "open")}
+    assert all(p["errors"] == 0 and p["throughput_rps"] > 0 and p["p99_ms"] >= p["p50_ms"] > 0 for p in points)
+    assert all(p["mean_batch_size"] == 1.0 for p in points if p["config"] == "off")
+    assert results["ceiling"]["forward_only_rps"] > results["ceiling"]["processor_and_forward_rps"] > 0
+    assert sum(results["batch_histograms"]["off"].values()) >= 12
+
+
+def test_ray_peer_is_skipped_cleanly_without_ray(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    main(["--compare", "ray", "--concurrency", "1", "--rates", "", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "not installed" in results["skipped"]["ray"] and results["points"] == []
