@@ -14,6 +14,7 @@ registered is parked for `send_timeout_s`, and goes out as soon as the registrat
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import re
 import time
@@ -43,8 +44,14 @@ def check_endpoint(url: str) -> str:
     match = _ENDPOINT.match(url.strip())
     if not match:
         raise ValueError(f"{url!r} is not a tcp://host:port address")
-    if is_wildcard_host(match["host"]):
+    host = match["host"].strip("[]")
+    if is_wildcard_host(host):
         raise ValueError(f"{url!r}: a wildcard address cannot be connected to; give the receiver's own address")
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:  # "0", "127.1", "2130706433": legacy forms the resolver would still accept
+            raise ValueError(f"{url!r}: {host!r} is not a canonical IPv4 address") from None
     if not 1 <= int(match["port"]) <= 65535:
         raise ValueError(f"{url!r}: port out of range")
     return url.strip()

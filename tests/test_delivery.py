@@ -163,6 +163,9 @@ def test_registration_count_clash_is_400(server):
 
 def test_wildcard_and_half_given_destinations_are_400(server):
     assert encode(server, req_id="wild", prefill_host="0.0.0.0", embedding_port=5555).status_code == 400
+    for legacy in ("0", "127.1", "2130706433"):
+        refused = encode(server, req_id=f"legacy-{legacy}", prefill_host=legacy, embedding_port=5555)
+        assert refused.status_code == 400 and "canonical" in refused.json()["message"]
     assert encode(server, req_id="nohost", embedding_port=5555).status_code == 400
     assert encode(server, req_id="noports", prefill_host="127.0.0.1", embedding_port=[]).status_code == 400
 
