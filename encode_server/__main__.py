@@ -9,6 +9,9 @@ from collections.abc import Sequence
 
 from .settings import load_settings
 
+#: Printed on stderr once the server listens; `encode_server.bench.launcher` waits for it.
+READY_LINE = "encode-server ready:"
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
@@ -71,6 +74,11 @@ class DrainingServer:
 
         class _Server(uvicorn.Server):
             draining = False
+
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets=sockets)
+                if self.started:  # listening: tell supervisors (and the test launcher) at any log level
+                    print(f"{READY_LINE} http://{config.host}:{config.port}", file=sys.stderr, flush=True)
 
             def handle_exit(self, sig, frame) -> None:
                 service = getattr(app.state, "service", None)

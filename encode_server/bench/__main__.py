@@ -52,23 +52,17 @@ def progress_bar(total: int, label: str):
 
 
 def sweep(url: str, config: str, args, payloads: list[str]) -> list[dict]:
+    """The closed-loop points, then the open-loop ones, each with a progress bar."""
+    points = [(closed_loop, f"c={c}", c, max(args.requests, c * 4)) for c in args.concurrency]
+    points += [(open_loop, f"rate={r:g}", r, max(int(r * args.open_seconds), 20)) for r in args.rates]
     results = []
-    for concurrency in args.concurrency:
-        total = max(args.requests, concurrency * 4)
-        bar = progress_bar(total, f"{config} c={concurrency}")
-        result = asyncio.run(closed_loop(url, config, concurrency, total, args.modality, payloads, bar))
+    for generator, label, load, total in points:
+        bar = progress_bar(total, f"{config} {label}")
+        result = asyncio.run(generator(url, config, load, total, args.modality, payloads, bar)).as_dict()
         if bar is not None:
             bar.close()
-        report(result.as_dict())
-        results.append(result.as_dict())
-    for rate in args.rates:
-        total = max(int(rate * args.open_seconds), 20)
-        bar = progress_bar(total, f"{config} rate={rate:g}")
-        result = asyncio.run(open_loop(url, config, rate, total, args.modality, payloads, bar))
-        if bar is not None:
-            bar.close()
-        report(result.as_dict())
-        results.append(result.as_dict())
+        report(result)
+        results.append(result)
     return results
 
 

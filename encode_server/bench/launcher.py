@@ -8,10 +8,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
 import httpx
+
+from ..__main__ import READY_LINE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,20 +43,31 @@ class ServerProcess:
         self.log_path = Path(log.name)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         )
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+        ready = threading.Event()
+
+        def copy_output() -> None:
+            """Copy the child's output to the log file; signal on its ready line or its exit."""
+            with open(self.log_path, "a") as sink:
+                for line in self.proc.stdout:
+                    sink.write(line)
+                    sink.flush()
+                    if line.startswith(READY_LINE):
+                        ready.set()
+            ready.set()
+
+        threading.Thread(target=copy_output, name=f"server-{self.port}-output", daemon=True).start()
+        if not ready.wait(self.startup_timeout):
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"server did not start within {self.startup_timeout:g} s:\n{self.log()}")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+        response = httpx.get(self.url + "/health", timeout=10.0)
+        if response.status_code != 200:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"server started but /health says {response.text}:\n{self.log()}")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path else ""

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import signal
+import sys
 import threading
 
 from fastapi import FastAPI, Request  # module level: Ray's ingress resolves handler annotations here
@@ -88,6 +89,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app(args.model, args.max_batch_size, args.max_wait_ms / 1000.0), name="encoder",
               route_prefix="/")
+    print(f"encode-server ready: http://127.0.0.1:{args.port}", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
