@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import re
 from collections.abc import Sequence
+
 import zmq
 import zmq.asyncio
 
