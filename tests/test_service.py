@@ -180,3 +180,16 @@ async def test_the_embedding_is_what_the_encoder_computes_for_the_item_alone(ada
     assert response["embedding_shape"] == list(expected.shape)
     assert torch.equal(rows.reshape(expected.shape), expected)
     assert response["items"] == [{"tokens": 4, "grid_thw": [1, 4, 4]}]
+
+
+async def test_batching_off_runs_one_request_per_forward(adapter):
+    service = EncoderService(Settings(enable_dynamic_batching=False), adapter)
+    await service.start()
+    try:
+        before = forwards(service)
+        responses = await asyncio.gather(*(service.encode(
+            {"req_id": f"off-{i}", "modality": "image", "mm_items": [image_b64(56, 56, seed=i)]}) for i in range(12)))
+    finally:
+        await service.stop()
+    assert all(response["batch_size"] == 1 for response in responses)
+    assert forwards(service) - before == 12
