@@ -1,4 +1,4 @@
-"""Qwen2.5-VL vision tower and merger as an encoder adapter: images and videos.
+"""The qwen2_5_vl family (Qwen2.5-VL vision tower and merger), and the Qwen-grid adapter it shares.
 
 An image of `h x w` pixels is resized to multiples of `patch_size * merge_size` (within the
 processor's pixel range), cut into a `1 x gh x gw` grid of patches, and every `merge_size^2`
@@ -8,7 +8,8 @@ patch, the last frame repeated to fill the final group: a `t x gh x gw` grid. Tw
 therefore make the same temporal patch an image would (the processor repeats an image's frame).
 
 The tower attends within each image or video (and its windows) only, so an item's rows do not
-depend on the items fused beside it.
+depend on the items fused beside it. `QwenVisionAdapter` and `shard_qwen_vision` serve every tower
+with this grid and interface (`processors/qwen2_vl.py` uses them too).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from .builtin import seeded
+from .family import Family
 
 #: Qwen2-VL's video processor defaults (pixels per frame), used when a folder has no video config.
 DEFAULT_VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -40,7 +42,7 @@ class VideoSettings:
 
 
 class QwenVisionAdapter(EncoderAdapter):
-    """Runs a `Qwen2_5_VisionTransformerPretrainedModel` on images and videos."""
+    """Runs a Qwen-grid vision tower (`tower(pixels, grid_thw).pooler_output`) on images and videos."""
 
     def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any, device: torch.device,
                  dtype: torch.dtype, video: VideoSettings | None = None, family: str = "qwen2_5_vl") -> None:
@@ -53,8 +55,9 @@ class QwenVisionAdapter(EncoderAdapter):
         config = tower.config
         self.merge_size = int(config.spatial_merge_size)
         self.temporal_patch_size = int(config.temporal_patch_size)
-        self.info = ModelInfo(name=name, family=family, modalities=("image", "video"),
-                              hidden_size=int(config.out_hidden_size))
+        # Qwen2.5-VL names the merger's output width `out_hidden_size`; Qwen2-VL calls it `hidden_size`.
+        width = getattr(config, "out_hidden_size", None) or config.hidden_size
+        self.info = ModelInfo(name=name, family=family, modalities=("image", "video"), hidden_size=int(width))
         processor_patch = int(image_processor.patch_size)
         processor_merge = int(image_processor.merge_size)
         if processor_patch != int(config.patch_size) or processor_merge != self.merge_size:
@@ -72,6 +75,8 @@ class QwenVisionAdapter(EncoderAdapter):
     # --- layouts ---------------------------------------------------------------------------------
 
     def _resized(self, width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
         try:
             return smart_resize(height, width, factor=self.patch_size * self.merge_size,
                                 min_pixels=min_pixels, max_pixels=max_pixels)
@@ -160,3 +165,52 @@ def qwen25_vl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype
         folder, lambda: {"visual": Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config)})
     processor = AutoImageProcessor.from_pretrained(folder)
     return QwenVisionAdapter(folder.name, modules["visual"], processor, device, dtype, video=_video_settings(folder))
+
+
+def tiny_qwen25_vl(device: torch.device, dtype: torch.dtype) -> QwenVisionAdapter:
+    """`tiny-qwen2.5-vl`: 4 blocks, width 128, patch 14, merge 2; 56x56 to 448x448 pixels per image or frame."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2_5_VLVisionConfig(
+        depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=128,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+        fullatt_block_indexes=[1, 3],
+    )
+    config._attn_implementation = "sdpa"
+    tower = seeded(lambda: Qwen2_5_VisionTransformerPretrainedModel._from_config(config).float())
+    # Up to 448x448 pixels per image or frame: at most 256 rows each, which keeps CPU forwards short.
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=448 * 448)
+    video = VideoSettings(min_pixels=56 * 56, max_pixels=448 * 448)
+    return QwenVisionAdapter("tiny-qwen2.5-vl", tower, processor, device, dtype, video=video)
+
+
+def shard_qwen_vision(adapter: QwenVisionAdapter, mesh: Any, mlp_colwise: Sequence[str],
+                      mlp_rowwise: Sequence[str]) -> None:
+    """Every block: fused `qkv` reordered then column-wise, `proj` row-wise, and the MLP as named."""
+    from .sharding import check_heads, reorder_fused_qkv, split_linears
+
+    world = mesh.size()
+    for block in adapter.tower.blocks:
+        local = check_heads(block.attn.num_heads, world, adapter.info.family)
+        reorder_fused_qkv(block.attn.qkv, block.attn.num_heads, world)
+        block.attn.num_heads = local
+        split_linears(block.attn, mesh, colwise=["qkv"], rowwise=["proj"])
+        split_linears(block.mlp, mesh, colwise=mlp_colwise, rowwise=mlp_rowwise)
+
+
+def shard_qwen25_vl(adapter: QwenVisionAdapter, mesh: Any) -> None:
+    shard_qwen_vision(adapter, mesh, mlp_colwise=["gate_proj", "up_proj"], mlp_rowwise=["down_proj"])
+
+
+FAMILY = Family(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    modalities=("image", "video"),
+    row_formula="`t*h*w / merge^2`",
+    grid_thw="the tower's patch grid; `t` = 1 for an image, frames / temporal patch for a video (last frame repeated)",
+    load=qwen25_vl_from_folder,
+    builtins={"tiny-qwen2.5-vl": tiny_qwen25_vl},
+    shard=shard_qwen25_vl,
+)
