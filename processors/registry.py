@@ -21,6 +21,7 @@ from .family import Family
 
 FAMILY_MODULES: tuple[str, ...] = (
     "processors.qwen_vl",
+    "processors.qwen2_vl",
     "processors.internvl",
     "processors.qwen_audio",
 )

@@ -36,7 +36,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_every_family_module_declares_a_family_and_lookups_find_it():
     found = registry.families()
-    assert [f.name for f in found][:3] == ["qwen2_5_vl", "internvl", "qwen2_audio"]
+    assert {"qwen2_5_vl", "qwen2_vl", "internvl", "qwen2_audio"} <= {f.name for f in found}
     for module, family in zip(registry.FAMILY_MODULES, found):
         assert isinstance(family, Family) and module.startswith("processors.")
         assert registry.family_named(family.name) is family
