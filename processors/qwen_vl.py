@@ -63,7 +63,7 @@ class VideoSettings:
         return cls(min_pixels=int(frames.size.shortest_edge), max_pixels=int(frames.size.longest_edge),
                    # None (unset) means False in transformers 5.23, with a warning that the default will change
                    cap_pixels_per_frame=bool(settings.get("cap_pixels_per_frame")),
-                   max_video_tokens=int(settings.get("max_video_tokens") or DEFAULT_MAX_VIDEO_TOKENS),
+                   max_video_tokens=int(settings.get("max_video_tokens", DEFAULT_MAX_VIDEO_TOKENS)),
                    frame_settings=frame_settings)
 
     def max_pixels_for(self, frames: int, factor: int, temporal_patch_size: int) -> int:
