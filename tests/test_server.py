@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from processors.builtin import tiny_qwen25_vl
+from processors.qwen_vl import tiny_qwen25_vl
 
 from .helpers import ServerProcess, decode_embedding, image_b64, png_bytes
 
