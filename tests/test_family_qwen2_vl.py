@@ -57,7 +57,7 @@ def test_images_alone_and_fused_match_get_image_features(ckpt, adapter):
     for subset in ([0, 1, 2, 3], [2, 0], [3]):
         batch = adapter.preprocess("image", [images[i] for i in subset])
         assert [layout.tokens for layout in batch.layouts] == [want[i].shape[0] for i in subset]
-        rows = adapter.split_rows(batch, adapter.forward(batch))
+        rows = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
         for index, got in zip(subset, rows):
             assert rel_diff(got, want[index]) <= 1e-5, (subset, index)
     assert [adapter.item_layout("image", image).tokens for image in images] == [w.shape[0] for w in want]
@@ -76,7 +76,7 @@ def test_videos_alone_and_fused_match_get_video_features(ckpt, adapter):
         want.append(torch.cat(out.pooler_output))
     batch = adapter.preprocess("video", clips)
     assert [layout.grid_thw[0] for layout in batch.layouts] == [3, 1, 2]
-    for got, expected, clip in zip(adapter.split_rows(batch, adapter.forward(batch)), want, clips):
+    for got, expected, clip in zip(adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts)), want, clips):
         assert rel_diff(got, expected) <= 1e-5
         assert adapter.item_layout("video", clip).tokens == expected.shape[0]
 
