@@ -66,25 +66,11 @@ def image_size_of(image_processor: Any) -> Callable[[int, int], tuple[int, int]]
                                               min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
 
 
-def video_size_of(video_processor: Any) -> Callable[[int, int, int], tuple[int, int]]:
-    """How `Glm4vVideoProcessor.resize` sizes every frame of a clip."""
-    from transformers.models.glm4v.video_processing_glm4v import smart_resize
-
-    size = video_processor.size
-    if not size.shortest_edge or not size.longest_edge:
-        raise ValueError(f"the video processor's `size` needs 'shortest_edge' and 'longest_edge', got {size}")
-    factor = int(video_processor.patch_size) * int(video_processor.merge_size)
-    temporal = int(video_processor.temporal_patch_size)
-    return lambda num_frames, height, width: smart_resize(
-        num_frames=num_frames, height=height, width=width, temporal_factor=temporal, factor=factor,
-        min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
-
-
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
                   device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
     info = ModelInfo(name=name, family="glm4v", modalities=("image", "video"),
                      hidden_size=int(tower.config.out_hidden_size))
-    video = VideoPatcher(video_processor, video_size_of(video_processor))
+    video = VideoPatcher(video_processor)
     return GridVisionAdapter(info, tower, image_processor, video, image_size_of(image_processor), run_glm4v_tower,
                              device, dtype)
 
@@ -92,7 +78,6 @@ def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
     """The vision tower (merger included) of a GLM-4.1V / 4.5V checkpoint; the language model is never built."""
     from transformers import AutoImageProcessor
-    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 
     from .checkpoint import CheckpointError, load_encoder_modules, read_config
 
@@ -106,7 +91,7 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapt
     modules = load_encoder_modules(folder, lambda: {"visual": tower_class._from_config(vision_config)})
     try:
         image_processor = AutoImageProcessor.from_pretrained(folder)
-        video_processor = load_video_processor(Glm4vVideoProcessor, folder)
+        video_processor = load_video_processor(folder, default="Glm4vVideoProcessor")
         return build_adapter(folder.name, modules["visual"], image_processor, video_processor, device, dtype)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: {exc}") from None

@@ -74,34 +74,12 @@ def image_size_of(image_processor: Any) -> Callable[[int, int], tuple[int, int]]
                                               max_pixels=size.longest_edge)
 
 
-def video_size_of(video_processor: Any) -> Callable[[int, int, int], tuple[int, int]]:
-    """How `Qwen3VLVideoProcessor.resize` sizes every frame of a clip (with its per-frame cap when set)."""
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-
-    size = video_processor.size
-    if not size.shortest_edge or not size.longest_edge:
-        raise ValueError(f"the video processor's `size` needs 'shortest_edge' and 'longest_edge', got {size}")
-    factor = int(video_processor.patch_size) * int(video_processor.merge_size)
-    temporal = int(video_processor.temporal_patch_size)
-
-    def resized(num_frames: int, height: int, width: int) -> tuple[int, int]:
-        max_pixels = size.longest_edge
-        if video_processor.cap_pixels_per_frame:
-            frame_cap = video_processor.max_video_tokens * factor * factor
-            per_frame = max(min(frame_cap, size.longest_edge // num_frames), int(size.shortest_edge * 1.05))
-            max_pixels = per_frame * num_frames
-        return smart_resize(num_frames=num_frames, height=height, width=width, temporal_factor=temporal,
-                            factor=factor, min_pixels=size.shortest_edge, max_pixels=max_pixels)
-
-    return resized
-
-
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
                   device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
     config = tower.config
     info = ModelInfo(name=name, family="qwen3_vl", modalities=("image", "video"),
                      hidden_size=int(config.out_hidden_size), deepstack=deepstack_count(config))
-    video = VideoPatcher(video_processor, video_size_of(video_processor))
+    video = VideoPatcher(video_processor)
     return GridVisionAdapter(info, tower, image_processor, video, image_size_of(image_processor), run_qwen3_tower,
                              device, dtype)
 
@@ -109,7 +87,6 @@ def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
     """The vision tower (mergers included) of a Qwen3-VL / Qwen3.5 checkpoint; the language model is never built."""
     from transformers import AutoImageProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     from .checkpoint import CheckpointError, load_encoder_modules, read_config
 
@@ -123,7 +100,7 @@ def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapt
     modules = load_encoder_modules(folder, lambda: {"visual": tower_class._from_config(vision_config)})
     try:
         image_processor = AutoImageProcessor.from_pretrained(folder)
-        video_processor = load_video_processor(Qwen3VLVideoProcessor, folder)
+        video_processor = load_video_processor(folder, default="Qwen3VLVideoProcessor")
         return build_adapter(folder.name, modules["visual"], image_processor, video_processor, device, dtype)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: {exc}") from None
