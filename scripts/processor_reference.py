@@ -36,7 +36,7 @@ from tests.vlm_fixtures import (  # noqa: E402  (needs the path above)
 )
 
 OUTPUT = ROOT / "tests" / "data" / "processor_reference.json"
-MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v")
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe")
 
 
 def reference_for(folder: Path, model_type: str) -> dict:

@@ -1,4 +1,4 @@
-"""GLM-4.1V / 4.5V (`glm4v`) from real checkpoint folders, against `transformers` itself.
+"""GLM-4.1V / 4.5V (`glm4v`, `glm4v_moe`) from real checkpoint folders, against `transformers` itself.
 
 1. Parity: an item's rows equal the model's own `get_image_features` / `get_video_features` for
    that item alone, within 1e-5 relative, also when items of different sizes are fused into one
@@ -34,6 +34,7 @@ from .vlm_fixtures import (
 )
 
 CPU, F32 = torch.device("cpu"), torch.float32
+MODEL_TYPES = ("glm4v", "glm4v_moe")
 REFERENCE = json.loads((Path(__file__).parent / "data" / "processor_reference.json").read_text())["folders"]
 
 
@@ -43,25 +44,28 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return checkpoint_folders(tmp_path_factory.mktemp("glm4v"), "glm4v", seed=30)
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm4v")
+    return {model_type: checkpoint_folders(root, model_type, seed=30 + index)
+            for index, model_type in enumerate(MODEL_TYPES)}
 
 
 @pytest.fixture(scope="module")
-def adapters(checkpoint):
-    _, folders = checkpoint
-    return {layout: FAMILY.load(folder, CPU, F32) for layout, folder in folders.items()}
+def adapters(checkpoints):
+    return {(model_type, layout): FAMILY.load(folder, CPU, F32)
+            for model_type, (_, folders) in checkpoints.items() for layout, folder in folders.items()}
 
 
 def test_the_registry_serves_glm4v_and_its_moe_twin():
     assert family_for_model_type("glm4v") is FAMILY and family_for_model_type("glm4v_moe") is FAMILY
 
 
-def test_fused_images_equal_get_image_features_alone(checkpoint, adapters):
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fused_images_equal_get_image_features_alone(checkpoints, adapters, model_type):
     from transformers import AutoImageProcessor
 
-    model, folders = checkpoint
-    adapter = adapters["nested"]
+    model, folders = checkpoints[model_type]
+    adapter = adapters[model_type, "nested"]
     assert adapter.info.deepstack == 0 and adapter.info.hidden_size == model.config.vision_config.out_hidden_size
     processor = AutoImageProcessor.from_pretrained(folders["nested"])
     images = sample_images()
@@ -76,9 +80,10 @@ def test_fused_images_equal_get_image_features_alone(checkpoint, adapters):
         assert rel_diff(got, want) <= 1e-5
 
 
-def test_fused_videos_equal_get_video_features_alone(checkpoint, adapters):
-    model, _ = checkpoint
-    adapter = adapters["nested"]
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fused_videos_equal_get_video_features_alone(checkpoints, adapters, model_type):
+    model, _ = checkpoints[model_type]
+    adapter = adapters[model_type, "nested"]
     clips = sample_clips()
     batch = adapter.preprocess("video", clips)
     pieces = adapter.split_rows(batch, adapter.forward(batch))
@@ -91,9 +96,10 @@ def test_fused_videos_equal_get_video_features_alone(checkpoint, adapters):
         assert rel_diff(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_rows_equal_the_full_processors_placeholder_count(adapters, layout):
-    adapter, reference = adapters[layout], REFERENCE[f"glm4v/{layout}"]
+def test_rows_equal_the_full_processors_placeholder_count(adapters, model_type, layout):
+    adapter, reference = adapters[model_type, layout], REFERENCE[f"{model_type}/{layout}"]
     for image, size, want in zip(sample_images(), IMAGE_SIZES, reference["images"], strict=True):
         assert want["size"] == list(size)
         got = adapter.item_layout("image", image)
@@ -107,7 +113,7 @@ def test_rows_equal_the_full_processors_placeholder_count(adapters, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_video_pixels_equal_transformers_video_processor(adapters, layout):
     """Bit for bit: same resize kernel, same fused normalisation, same patch order."""
-    adapter, reference = adapters[layout], REFERENCE[f"glm4v/{layout}"]
+    adapter, reference = adapters["glm4v", layout], REFERENCE[f"glm4v/{layout}"]
     assert reference["video_processor"] == "Glm4vVideoProcessor" == type(adapter.video.processor).__name__
     for clip, want in zip(sample_clips(), reference["videos"], strict=True):
         pixels, clip_layout = adapter.video.patches(clip)

@@ -25,13 +25,17 @@ LAYOUTS = ("nested", "separate", "image_only")
 TEXT = dict(vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 QWEN_ROPE = {"rope_type": "default", "mrope_section": [4, 4, 4], "rope_theta": 10000.0}
+#: Small linear-attention (gated delta net) layers for the Qwen3.5 language models.
+QWEN3_5_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+GLM_VISION = dict(depth=2, hidden_size=48, intermediate_size=96, num_heads=3, out_hidden_size=96, image_size=56,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 QWEN3_VISION = dict(depth=3, hidden_size=48, intermediate_size=96, num_heads=3, out_hidden_size=96, patch_size=16,
                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
 
 #: Per family: the model types it is tested with, its processor settings, and its prompt's tokens.
 FAMILIES = {
     "qwen3_vl": {
-        "model_types": ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"),
+        "model_types": ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
         "processor_class": "Qwen3VLProcessor",
         "image_processor": {
             "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
@@ -51,7 +55,7 @@ FAMILIES = {
         "video_token": "<|video_pad|>",
     },
     "glm4v": {
-        "model_types": ("glm4v",),
+        "model_types": ("glm4v", "glm4v_moe"),
         "processor_class": "Glm4vProcessor",
         "image_processor": {
             "image_processor_type": "Glm4vImageProcessor", "patch_size": 14, "merge_size": 2,
@@ -115,13 +119,21 @@ def model_config(model_type: str):
                              rope_parameters=QWEN_ROPE),
             vision_config=dict(QWEN3_VISION, deepstack_visual_indexes=[1]))
     if model_type == "qwen3_5":
-        return transformers.Qwen3_5Config(text_config=dict(TEXT, head_dim=24, rope_parameters=QWEN_ROPE),
-                                          vision_config=QWEN3_VISION)
+        return transformers.Qwen3_5Config(
+            text_config=dict(TEXT, **QWEN3_5_LINEAR, head_dim=24, rope_parameters=QWEN_ROPE), vision_config=QWEN3_VISION)
+    if model_type == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeConfig(
+            text_config=dict(TEXT, **QWEN3_5_LINEAR, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=48, shared_expert_intermediate_size=48, rope_parameters=QWEN_ROPE),
+            vision_config=QWEN3_VISION)
+    glm_rope = dict(QWEN_ROPE, partial_rotary_factor=0.5)
     if model_type == "glm4v":
-        return transformers.Glm4vConfig(
-            text_config=dict(TEXT, rope_parameters=dict(QWEN_ROPE, partial_rotary_factor=0.5)),
-            vision_config=dict(depth=2, hidden_size=48, intermediate_size=96, num_heads=3, out_hidden_size=96,
-                               image_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
+        return transformers.Glm4vConfig(text_config=dict(TEXT, rope_parameters=glm_rope), vision_config=GLM_VISION)
+    if model_type == "glm4v_moe":
+        return transformers.Glm4vMoeConfig(
+            text_config=dict(TEXT, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                             first_k_dense_replace=1, n_shared_experts=1, rope_parameters=glm_rope),
+            vision_config=GLM_VISION)
     raise ValueError(model_type)
 
 
@@ -173,7 +185,9 @@ def build_model(model_type: str, seed: int):
     classes = {"qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
                "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
                "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-               "glm4v": transformers.Glm4vForConditionalGeneration}
+               "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+               "glm4v": transformers.Glm4vForConditionalGeneration,
+               "glm4v_moe": transformers.Glm4vMoeForConditionalGeneration}
     torch.manual_seed(seed)
     return classes[model_type](model_config(model_type)).eval()
 
