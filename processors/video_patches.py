@@ -1,9 +1,11 @@
 """Video patching exactly as `transformers`' Qwen-style video processors do it, without torchvision.
 
-The video processors of Qwen3-VL and GLM-4V (`video_processing_qwen3_vl.py`, `video_processing_glm4v.py`)
-are torchvision-only, and torchvision is not installed here. Their work is a few tensor operations,
-repeated here with torch alone, while every setting comes from the `transformers` video processor
-object itself (loading and instantiating it needs no torchvision, only running it does):
+The video processors of Qwen2-VL, Qwen3-VL and GLM-4V (`video_processing_qwen2_vl.py`,
+`video_processing_qwen3_vl.py`, `video_processing_glm4v.py`) are torchvision-only, and torchvision is
+not installed here. Their work is a few tensor operations, repeated here with torch alone, while
+every setting comes from the `transformers` video processor object itself, loaded from the folder
+as `AutoVideoProcessor` would (`load_video_processor`; instantiating it needs no torchvision, only
+running it does, except Qwen2-VL's whose module imports torchvision: a settings-only twin stands in):
 
 1. the frames become a `(T, C, H, W)` uint8 tensor, as `make_batched_videos` + `_prepare_input_videos`;
 2. the clip's frame size comes from the processor class's own `resize` logic (`CLIP_SIZING`: its

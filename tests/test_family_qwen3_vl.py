@@ -140,3 +140,28 @@ def test_one_frame_videos_and_wrong_items_are_item_errors(adapters):
         adapter.item_layout("video", [])
     with pytest.raises(ItemError):
         adapter.item_layout("image", "not an image")
+
+
+def test_a_video_processor_that_needs_torchvision_here_is_refused_at_load(checkpoints, tmp_path):
+    import json as json_module
+    import shutil
+
+    from processors.checkpoint import CheckpointError
+
+    folder = tmp_path / "other-video-processor"
+    shutil.copytree(checkpoints["qwen3_vl"][1]["separate"], folder)
+    settings = json_module.loads((folder / "video_preprocessor_config.json").read_text())
+    settings["video_processor_type"] = "LlavaOnevisionVideoProcessor"
+    (folder / "video_preprocessor_config.json").write_text(json_module.dumps(settings))
+    with pytest.raises(CheckpointError, match="LlavaOnevisionVideoProcessor is not supported without torchvision"):
+        FAMILY.load(folder, CPU, F32)
+
+
+def test_the_builtin_ships_deepstack_rows():
+    from processors.registry import builtin_models
+
+    adapter = builtin_models()["tiny-qwen3-vl"](CPU, F32)
+    assert adapter.info.deepstack == 2 and adapter.info.row_width == 3 * adapter.info.hidden_size
+    modality, item = adapter.sample_item()
+    rows = adapter.forward(adapter.preprocess(modality, [item]))
+    assert rows.shape == (adapter.item_layout(modality, item).tokens, adapter.info.row_width)

@@ -26,7 +26,8 @@ TEXT = dict(vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_la
             num_key_value_heads=2)
 QWEN_ROPE = {"rope_type": "default", "mrope_section": [4, 4, 4], "rope_theta": 10000.0}
 #: Small linear-attention (gated delta net) layers for the Qwen3.5 language models.
-QWEN3_5_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+QWEN3_5_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                      linear_num_value_heads=4)
 GLM_VISION = dict(depth=2, hidden_size=48, intermediate_size=96, num_heads=3, out_hidden_size=96, image_size=56,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 QWEN3_VISION = dict(depth=3, hidden_size=48, intermediate_size=96, num_heads=3, out_hidden_size=96, patch_size=16,
@@ -120,7 +121,8 @@ def model_config(model_type: str):
             vision_config=dict(QWEN3_VISION, deepstack_visual_indexes=[1]))
     if model_type == "qwen3_5":
         return transformers.Qwen3_5Config(
-            text_config=dict(TEXT, **QWEN3_5_LINEAR, head_dim=24, rope_parameters=QWEN_ROPE), vision_config=QWEN3_VISION)
+            text_config=dict(TEXT, **QWEN3_5_LINEAR, head_dim=24, rope_parameters=QWEN_ROPE),
+            vision_config=QWEN3_VISION)
     if model_type == "qwen3_5_moe":
         return transformers.Qwen3_5MoeConfig(
             text_config=dict(TEXT, **QWEN3_5_LINEAR, head_dim=24, num_experts=4, num_experts_per_tok=2,
