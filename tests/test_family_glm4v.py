@@ -70,7 +70,7 @@ def test_fused_images_equal_get_image_features_alone(checkpoints, adapters, mode
     processor = AutoImageProcessor.from_pretrained(folders["nested"])
     images = sample_images()
     batch = adapter.preprocess("image", images)
-    pieces = adapter.split_rows(batch, adapter.forward(batch))
+    pieces = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
     for image, got in zip(images, pieces, strict=True):
         inputs = processor(images=[image], return_tensors="pt")
         with torch.no_grad():
@@ -86,7 +86,7 @@ def test_fused_videos_equal_get_video_features_alone(checkpoints, adapters, mode
     adapter = adapters[model_type, "nested"]
     clips = sample_clips()
     batch = adapter.preprocess("video", clips)
-    pieces = adapter.split_rows(batch, adapter.forward(batch))
+    pieces = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
     for clip, got in zip(clips, pieces, strict=True):
         pixels, layout = adapter.video.patches(clip)
         with torch.no_grad():
