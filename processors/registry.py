@@ -24,6 +24,8 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.qwen2_vl",
     "processors.internvl",
     "processors.qwen_audio",
+    "processors.qwen3_vl",
+    "processors.glm4v",
 )
 
 
