@@ -36,10 +36,10 @@ def word_tokenizer(specials: list[str], named: dict[str, str] | None = None):
     vocab = {token: index for index, token in enumerate(base + specials + TEXT_WORDS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    named = named or {}
+    backend.add_special_tokens(base + specials)  # matched anywhere in the text, never split
+    kwargs = {"extra_special_tokens": named} if named else {}
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", extra_special_tokens=named or None,
-                                   additional_special_tokens=[t for t in specials if t not in named.values()] or None)
+                                   unk_token="<unk>", **kwargs)
 
 
 def random_image(width: int, height: int, seed: int) -> Image.Image:
@@ -214,8 +214,9 @@ def pixtral_processor_outputs(folder: Path, images: list[Image.Image], work: Pat
         path = work / f"image{index}.png"
         image.save(path)
         paths.append(str(path))
-    subprocess.run([sys.executable, "-c", PIXTRAL_SUBPROCESS, str(folder), str(work), json.dumps(paths)],
-                   check=True, cwd=ROOT, timeout=120, capture_output=True)
+    result = subprocess.run([sys.executable, "-c", PIXTRAL_SUBPROCESS, str(folder), str(work), json.dumps(paths)],
+                            cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
     return [load_file(str(work / f"{index}.safetensors")) for index in range(len(images))]
 
 
@@ -242,3 +243,34 @@ def llava_checkpoint(folder: Path, num_additional_image_tokens: int = 1):
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model, folder
+
+
+def blip2_checkpoint(folder: Path):
+    """BLIP-2: a model with get_image_features whose processor cannot count an image's tokens from its size."""
+    from transformers import Blip2Config, Blip2ForConditionalGeneration, Blip2Processor
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    tokenizer = word_tokenizer(["<image>"], {"image_token": "<image>"})
+    config = Blip2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=7),
+        qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            encoder_hidden_size=32, vocab_size=64),
+        text_config=_text(model_type="opt", ffn_dim=96, word_embed_proj_dim=64), num_query_tokens=4,
+        image_token_index=tokenizer.image_token_id,
+    )
+    model = Blip2ForConditionalGeneration(config).eval()
+    processor = Blip2Processor(image_processor=BlipImageProcessorPil(size={"height": 28, "width": 28}),
+                               tokenizer=tokenizer, num_query_tokens=4)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, folder
+
+
+def llama_checkpoint(folder: Path):
+    """A text-only model: nothing to encode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**_text())).save_pretrained(folder)
+    word_tokenizer([]).save_pretrained(folder)
+    return folder
