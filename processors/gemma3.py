@@ -122,8 +122,8 @@ FAMILY = Family(
     name="gemma3",
     model_types=("gemma3",),
     modalities=("image",),
-    row_formula="mm_tokens_per_image x (1 + pan-and-scan crops)",
-    grid_thw="[1 + crops, k, k], k*k = mm_tokens_per_image",
+    row_formula="`mm_tokens_per_image * (1 + crops)`; pan-and-scan crops only when the processor is called with it",
+    grid_thw="`[1 + crops, k, k]`, `k*k = mm_tokens_per_image`",
     load=gemma3_from_folder,
     shard=shard_gemma3,
 )

@@ -173,7 +173,8 @@ FAMILY = Family(
     name="generic",
     model_types=(),  # the fallback for any model_type no other family declares (processors/registry.py)
     modalities=("image",),
-    row_formula="the processor's _get_num_multimodal_tokens, checked against its inserted tokens and the rows",
-    grid_thw="[1, 1, tokens]",
+    row_formula="the processor's `_get_num_multimodal_tokens`, checked at start-up against the tokens it inserts "
+                "and the rows; refused if they disagree",
+    grid_thw="`[1, 1, rows]`",
     load=generic_from_folder,
 )

@@ -153,8 +153,9 @@ FAMILY = Family(
     name="llava_onevision",
     model_types=("llava_onevision",),
     modalities=("image",),
-    row_formula="base tile rows + unpadded tile-map rows (shrunk past anyres_max_N) + one newline per map row",
-    grid_thw="[tiles incl. the base tile, p, p], p = tower patches per tile side",
+    row_formula="base tile + unpadded tile map (shrunk past `anyres_max_N`) + one newline per map row, as "
+                "`LlavaOnevisionProcessor` counts a one-image prompt (video: no, it needs torchvision)",
+    grid_thw="`[tiles (base tile included), p, p]`, `p x p` = one tile's patch grid",
     load=llava_onevision_from_folder,
     shard=shard_llava_onevision,
 )

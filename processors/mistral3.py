@@ -160,8 +160,8 @@ FAMILY = Family(
     name="mistral3",
     model_types=("mistral3",),
     modalities=("image",),
-    row_formula="h x w, one row per [IMG] token (h, w: merged patch grid; [IMG_BREAK]/[IMG_END] get no rows)",
-    grid_thw="[1, h, w], the merged patch grid of the resized image",
+    row_formula="`h*w`, one row per `[IMG]` token (`[IMG_BREAK]`/`[IMG_END]` get none)",
+    grid_thw="`[1, h, w]`, the merged patch grid of the resized image",
     load=mistral3_from_folder,
     shard=shard_mistral3,
 )

@@ -49,12 +49,13 @@ def base_model_class(model_type: str) -> type:
     return model_class
 
 
-def build_without_language_model(model_class: type, config: Any) -> torch.nn.Module:
-    """The base model on the meta device, its language model (and any LM head) removed."""
+def build_without_language_model(model_class: type, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The base model on the meta device in `dtype` (buffers the model builds in float32 stay so, as with
+    `from_pretrained(dtype=...)`), its language model (and any LM head) removed."""
     from transformers import initialization
 
     with torch.device("meta"), initialization.meta_device_safe_creation_ops(), initialization.no_tie_weights():
-        model = model_class._from_config(config)
+        model = model_class._from_config(config, dtype=dtype)
     if not isinstance(getattr(model, "language_model", None), torch.nn.Module):
         raise CheckpointError(f"{model_class.__name__} has no `language_model` submodule, so its vision part "
                               "cannot be built on its own")
@@ -93,10 +94,11 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
     """The base model without its language model, filled from the folder's safetensors, on `device`."""
     from safetensors import safe_open
 
-    model = build_without_language_model(model_class, config)
+    model = build_without_language_model(model_class, config, dtype)
     files = _shard_files(folder)
     chosen = _checkpoint_keys_for(model, files, folder)
-    missing = sorted(set(model.state_dict()) - set(chosen))
+    wanted = model.state_dict()
+    missing = sorted(set(wanted) - set(chosen))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
@@ -116,9 +118,9 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
             raise CheckpointError(f"{folder}: shard {path.name} named in the index is missing")
         with safe_open(str(path), "pt") as handle:
             for key in keys:
-                state[key] = handle.get_tensor(chosen[key])
+                state[key] = handle.get_tensor(chosen[key]).to(wanted[key].dtype)
     model.load_state_dict(state, strict=False, assign=True)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device).eval()
 
 
 def processor_settings(folder: Path) -> dict[str, Any]:
@@ -171,7 +173,7 @@ class VisionPartAdapter(EncoderAdapter):
 
     def __init__(self, name: str, family: str, model: torch.nn.Module, hidden_size: int, device: torch.device,
                  dtype: torch.dtype) -> None:
-        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model = model.to(device=device).eval()  # already in `dtype` (see load_vision_part)
         self.device = device
         self.dtype = dtype
         self.info = ModelInfo(name=name, family=family, modalities=("image",), hidden_size=int(hidden_size))

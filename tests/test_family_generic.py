@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from processors.checkpoint import CheckpointError
-from processors.generic import FAMILY, generic_from_folder
-from processors.registry import family_for_model_type
+from processors.generic import FAMILY, GenericAdapter, generic_from_folder
+from processors.registry import FALLBACK_FAMILY, family_for_model_type, family_named, load_checkpoint
 
 from .other_family_checkpoints import (
     blip2_checkpoint,
@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory):
     from transformers import AutoProcessor
 
     model, folder = llava_checkpoint(tmp_path_factory.mktemp("llava"))
-    return model, folder, AutoProcessor.from_pretrained(folder), family_for_model_type("llava").load(folder, CPU, F32)
+    return model, folder, AutoProcessor.from_pretrained(folder), load_checkpoint(folder, CPU, F32)
 
 
 def images():
@@ -40,8 +40,9 @@ def images():
 
 
 def test_an_undeclared_model_type_falls_back_to_the_generic_family(checkpoint):
-    adapter = checkpoint[3]
-    assert family_for_model_type("llava") is FAMILY and FAMILY.shard is None
+    adapter = checkpoint[3]  # from registry.load_checkpoint
+    assert family_for_model_type("llava") is None and family_named(FALLBACK_FAMILY) is FAMILY
+    assert FAMILY.shard is None and isinstance(adapter, GenericAdapter)
     assert adapter.info.family == "llava" and adapter.info.hidden_size == 64
 
 
@@ -103,4 +104,4 @@ def test_a_model_type_transformers_does_not_know_is_refused(checkpoint, tmp_path
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "no_such_vlm"}))
     with pytest.raises(CheckpointError, match="no_such_vlm"):
-        generic_from_folder(folder, CPU, F32)
+        load_checkpoint(folder, CPU, F32)

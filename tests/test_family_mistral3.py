@@ -107,3 +107,18 @@ def test_processor_patch_that_disagrees_with_the_model_is_refused(checkpoint, tm
     (broken / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor"}))
     with pytest.raises(CheckpointError, match="16 x 1"):  # PixtralProcessor's defaults, not the model's 7 x 2
         FAMILY.load(broken, CPU, F32)
+
+
+def test_bfloat16_rows_are_bit_identical_to_from_pretrained_in_bfloat16(checkpoint):
+    """Built in the target dtype like `from_pretrained(dtype=...)`: rotary frequencies stay float32."""
+    from transformers import Mistral3ForConditionalGeneration
+
+    folder = checkpoint[1]
+    adapter = FAMILY.load(folder, CPU, torch.bfloat16)
+    reference = Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    batch = adapter.preprocess("image", images()[:3])
+    with torch.no_grad():
+        want = reference.model.get_image_features(pixel_values=batch.inputs["pixel_values"].to(torch.bfloat16),
+                                                  image_sizes=batch.inputs["image_sizes"]).pooler_output
+    got = adapter.forward(batch)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.cat(want))
