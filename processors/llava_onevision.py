@@ -10,7 +10,9 @@ adapter calls that method itself, so the rows are the model's own.
 
 The row count is the prefill side's placeholder count, computed with the full processor's own code
 (`LlavaOnevisionProcessor._get_number_of_features`, minus one for the "default" feature strategy)
-from the processor settings in the folder. That is the count for a prompt holding one image (the
+from the processor settings in the folder (`processor_config.json`: `num_image_tokens`, derived from
+the tower when absent; `vision_aspect_ratio` and `vision_feature_select_strategy`, refused when they
+contradict the model's config, as are tiles or grid pinpoints that differ from the model's). That is the count for a prompt holding one image (the
 processor's single-image mode, the one `_get_num_multimodal_tokens` and vLLM use); transformers'
 processor gives each image of a *multi-image* prompt only its base tile plus one newline row, a
 layout this encoder does not produce. Tiles run through the tower one by one, so fused items never
@@ -120,9 +122,19 @@ def check_consistent(config: Any, image_processor: Any, settings: dict[str, Any]
     if (strategy == "default") != (config.vision_feature_select_strategy == "default"):
         raise CheckpointError(f"llava_onevision: the processor's vision_feature_select_strategy {strategy!r} differs "
                               f"from the model's {config.vision_feature_select_strategy!r}")
-    if settings.get("num_image_tokens") is None:
-        raise CheckpointError("llava_onevision: processor_config.json does not say num_image_tokens, so the "
-                              "prefill side's processor cannot count image tokens")
+
+
+def num_image_tokens(config: Any, settings: dict[str, Any]) -> int:
+    """The processor's `num_image_tokens` (tokens of one tile, class token included when "default" drops it).
+
+    A folder without it leaves `LlavaOnevisionProcessor` unable to count at all; the value it would need
+    follows from the tower (`(image_size // patch_size)^2`, plus the class token "default" drops).
+    """
+    if settings.get("num_image_tokens") is not None:
+        return int(settings["num_image_tokens"])
+    vision = config.vision_config
+    patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+    return patches + (1 if config.vision_feature_select_strategy == "default" else 0)
 
 
 def llava_onevision_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> LlavaOnevisionAdapter:
@@ -137,7 +149,7 @@ def llava_onevision_from_folder(folder: Path, device: torch.device, dtype: torch
                                 init_default(LlavaOnevisionProcessor.__init__, "vision_aspect_ratio"))
     strategy = settings.get("vision_feature_select_strategy")
     check_consistent(config, image_processor, settings, aspect_ratio, strategy)
-    counter = placeholder_counter(image_processor, int(settings["num_image_tokens"]), aspect_ratio, strategy)
+    counter = placeholder_counter(image_processor, num_image_tokens(config, settings), aspect_ratio, strategy)
     model = load_vision_part(folder, LlavaOnevisionModel, config, device, dtype)
     return LlavaOnevisionAdapter(folder.name, model, config, image_processor, counter, device, dtype)
 

@@ -81,11 +81,23 @@ def test_per_item_inputs_concatenate_into_one_call(checkpoint):
     assert together.inputs["pixel_values"].shape[0] == sum(layout.grid_thw[0] for layout in together.layouts)
 
 
+def test_a_folder_without_num_image_tokens_counts_as_the_tower_says(checkpoint, tmp_path):
+    model, folder, processor, adapter = checkpoint
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    for path in folder.iterdir():
+        (silent / path.name).write_bytes(path.read_bytes())
+    settings = json.loads((silent / "processor_config.json").read_text())
+    (silent / "processor_config.json").write_text(json.dumps({**settings, "num_image_tokens": None}))
+    derived = FAMILY.load(silent, CPU, F32)
+    assert [derived.item_layout("image", image) for image in images()] == \
+        [adapter.item_layout("image", image) for image in images()]
+
+
 def test_processor_settings_that_disagree_with_the_model_are_refused(checkpoint, tmp_path):
     folder = checkpoint[1]
     for name, change, message in [
         ("processor_config.json", {"vision_aspect_ratio": "anyres_max_9"}, "vision_aspect_ratio"),
-        ("processor_config.json", {"num_image_tokens": None}, "num_image_tokens"),
         ("preprocessor_config.json", {"image_grid_pinpoints": [[28, 28]]}, "image_grid_pinpoints"),
     ]:
         broken = tmp_path / f"broken-{message}"
