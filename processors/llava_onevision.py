@@ -12,12 +12,13 @@ The row count is the prefill side's placeholder count, computed with the full pr
 (`LlavaOnevisionProcessor._get_number_of_features`, minus one for the "default" feature strategy)
 from the processor settings in the folder (`processor_config.json`: `num_image_tokens`, derived from
 the tower when absent; `vision_aspect_ratio` and `vision_feature_select_strategy`, refused when they
-contradict the model's config, as are tiles or grid pinpoints that differ from the model's). That is the count for a prompt holding one image (the
-processor's single-image mode, the one `_get_num_multimodal_tokens` and vLLM use); transformers'
-processor gives each image of a *multi-image* prompt only its base tile plus one newline row, a
-layout this encoder does not produce. Tiles run through the tower one by one, so fused items never
-change each other's rows; the batch's tiles are concatenated (`[tiles, 3, S, S]`, the 4-D input
-`get_image_features` accepts) rather than padded per item, so per-item inputs concatenate as they are.
+contradict the model's config, as are tiles or grid pinpoints that differ from the model's).
+That is the count for a prompt holding one image (the processor's single-image mode, the one
+`_get_num_multimodal_tokens` and vLLM use); transformers' processor gives each image of a
+*multi-image* prompt only its base tile plus one newline row, a layout this encoder does not produce.
+Tiles run through the tower one by one, so fused items never change each other's rows; the batch's
+tiles are concatenated (`[tiles, 3, S, S]`, the 4-D input `get_image_features` accepts) rather than
+padded per item, so per-item inputs concatenate as they are.
 
 `grid_thw` is `[tiles, p, p]`: the tile count with the base tile, and the tower's patch grid per tile.
 Video is not served: `LlavaOnevisionVideoProcessor` needs torchvision, which is absent. Tensor
