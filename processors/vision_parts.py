@@ -119,7 +119,7 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
         with safe_open(str(path), "pt") as handle:
             for key in keys:
                 state[key] = handle.get_tensor(chosen[key]).to(wanted[key].dtype)
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=True, assign=True)  # every persistent tensor, nothing else
     return model.to(device=device).eval()
 
 

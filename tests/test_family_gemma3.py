@@ -86,8 +86,9 @@ def test_pan_and_scan_in_the_image_processor_config_alone_is_not_what_the_full_p
     assert FAMILY.load(folder, CPU, F32).item_layout("image", wide).tokens == 16
 
 
-def test_legacy_published_key_layout_loads_the_same_rows(checkpoint, tmp_path):
-    """Published Gemma 3 checkpoints name keys `vision_tower.vision_model.*`, `language_model.model.*`."""
+def test_published_key_layout_in_shards_loads_the_same_rows_without_the_language_model(checkpoint, tmp_path):
+    """Published Gemma 3 checkpoints name keys `vision_tower.vision_model.*` and `language_model.model.*` and
+    come in shards; the language model's shard is never opened (here it does not even exist)."""
     from safetensors.torch import load_file, save_file
 
     model, folder = checkpoint
@@ -96,15 +97,22 @@ def test_legacy_published_key_layout_loads_the_same_rows(checkpoint, tmp_path):
     for path in folder.iterdir():
         if path.name != "model.safetensors":
             (legacy / path.name).write_bytes(path.read_bytes())
-    renamed = {}
+    shards: dict[str, dict[str, torch.Tensor]] = {"vision.safetensors": {}, "projector.safetensors": {}}
+    weight_map = {}
     for key, tensor in load_file(str(folder / "model.safetensors")).items():
         if key.startswith("vision_tower."):
-            key = "vision_tower.vision_model." + key.removeprefix("vision_tower.")
+            key, shard = "vision_tower.vision_model." + key.removeprefix("vision_tower."), "vision.safetensors"
         elif key.startswith("language_model."):
-            key = "language_model.model." + key.removeprefix("language_model.")
-        renamed[key] = tensor
-    assert any(k.startswith("vision_tower.vision_model.encoder.") for k in renamed)
-    save_file(renamed, str(legacy / "model.safetensors"), metadata={"format": "pt"})
+            key, shard = "language_model.model." + key.removeprefix("language_model."), "language.safetensors"
+        else:
+            shard = "projector.safetensors"
+        weight_map[key] = shard
+        shards.get(shard, {})[key] = tensor
+    for name, tensors in shards.items():
+        save_file(tensors, str(legacy / name), metadata={"format": "pt"})
+    (legacy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert any(k.startswith("vision_tower.vision_model.encoder.") for k in weight_map)
+    assert not (legacy / "language.safetensors").exists()
     image = random_image(70, 50, 5)
     rows = [adapter.forward(adapter.preprocess("image", [image]))
             for adapter in (FAMILY.load(legacy, CPU, F32), FAMILY.load(folder, CPU, F32))]
