@@ -2,6 +2,8 @@
 
 Adding a family is one new module that ends with `FAMILY = Family(...)` plus one line in
 `FAMILY_MODULES`. `load_checkpoint` picks a folder's family by `config.json`'s `model_type`;
+a `model_type` no family declares goes to the generic family (`processors/generic.py`), which serves
+it only if its rows can be counted exactly and otherwise refuses, naming what is missing.
 `builtin_models` gathers every family's built-in tiny models. `python -m processors.registry`
 prints the README's model table.
 """
@@ -26,7 +28,14 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.qwen_audio",
     "processors.qwen3_vl",
     "processors.glm4v",
+    "processors.gemma3",
+    "processors.llava_onevision",
+    "processors.mistral3",
+    "processors.generic",
 )
+
+# Serves a `model_type` no family declares, if its rows can be counted exactly; else it refuses, naming why.
+FALLBACK_FAMILY = "generic"
 
 
 @functools.cache
@@ -66,6 +75,8 @@ def load_checkpoint(folder: str | Path, device: torch.device, dtype: torch.dtype
     folder = Path(folder).expanduser().resolve()
     model_type = read_config(folder).get("model_type")
     family = family_for_model_type(model_type) if isinstance(model_type, str) else None
+    if family is None and isinstance(model_type, str):
+        family = family_named(FALLBACK_FAMILY)
     if family is None:
         raise CheckpointError(f"{folder}: model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(supported_model_types())})")
@@ -77,7 +88,7 @@ def family_table_markdown() -> str:
     lines = ["| family | `model_type` | built-in models | modalities | rows per item | `grid_thw` | tensor parallel |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for family in families():
-        model_types = ", ".join(f"`{t}`" for t in family.model_types)
+        model_types = ", ".join(f"`{t}`" for t in family.model_types) or "any other"
         builtins = ", ".join(f"`{name}`" for name in family.builtins) or "none"
         tp = "yes" if family.shard is not None else "no"
         lines.append(f"| {family.name} | {model_types} | {builtins} | {', '.join(family.modalities)} | "
