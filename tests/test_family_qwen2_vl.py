@@ -76,7 +76,8 @@ def test_videos_alone_and_fused_match_get_video_features(ckpt, adapter):
         want.append(torch.cat(out.pooler_output))
     batch = adapter.preprocess("video", clips)
     assert [layout.grid_thw[0] for layout in batch.layouts] == [3, 1, 2]
-    for got, expected, clip in zip(adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts)), want, clips):
+    pieces = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
+    for got, expected, clip in zip(pieces, want, clips):
         assert rel_diff(got, expected) <= 1e-5
         assert adapter.item_layout("video", clip).tokens == expected.shape[0]
 
