@@ -12,6 +12,7 @@ from PIL import Image
 from transformers.image_utils import load_image
 
 from encode_server.media import MediaLimits, decode_frames, decode_image
+from encode_server.settings import Settings
 from processors import load_adapter
 
 from .helpers import ServerProcess
@@ -38,7 +39,7 @@ def test_decode_image_applies_the_exif_orientation_as_transformers_does():
     decoded = decode_image(data, 50_000_000, "mm_items[0]")
     assert decoded.size == reference.size == (84, 168)
     assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), np.asarray(reference))
-    frames = decode_frames([data, data], MediaLimits(), "mm_items[0]")
+    frames = decode_frames([data, data], MediaLimits.from_settings(Settings(), adapter=None), "mm_items[0]")
     assert all(np.array_equal(np.asarray(frame), np.asarray(reference)) for frame in frames)
 
 
