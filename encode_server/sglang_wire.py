@@ -30,9 +30,12 @@ import pickle
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used, so that settings can check class paths cheaply
+    import torch
+
+    from .records import EncodedPart, PartMeta
 
 #: Where `EmbeddingData` lives in SGLang 0.5.21 and later (the default of `--sglang-embedding-class`).
 EMBEDDING_CLASS = "sglang.srt.disaggregation.encoder.receiver.EmbeddingData"
@@ -98,6 +101,8 @@ class _PathPickler(pickle._Pickler):
 
 def grid_tensor(grids: Sequence[Any] | torch.Tensor) -> torch.Tensor:
     """`grid_dim` as SGLang's receiver expects it: a contiguous int64 tensor ([n, 3] or [n])."""
+    import torch
+
     if isinstance(grids, torch.Tensor):
         return grids.detach().to("cpu", torch.int64).contiguous().clone()
     return torch.tensor([list(g) if isinstance(g, (tuple, list)) else int(g) for g in grids], dtype=torch.int64)
@@ -126,6 +131,8 @@ class SglangFrames:
                          second_per_grid_ts: Sequence[float] | None = None,
                          video_timestamps: list[Any] | None = None, send_time: float | None = None) -> bytes:
         """Frame 0 of a success message (frame 1: the embedding's raw bytes, `shape` of `dtype`)."""
+        import torch
+
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         return self._dumps({
@@ -163,3 +170,44 @@ class SglangFrames:
             "error_msg": str(message),
             "error_code": int(code),
         })
+
+
+class SglangWire:
+    """`--wire-format sglang`: the delivery's `WireFormat` in SGLang's frames.
+
+    `seconds_per_grid_step` is Qwen2.5-VL's `second_per_grid_ts` for every video item (its temporal
+    patch size over the sampling fps, as SGLang's own encoder computes it); None for other models.
+    """
+
+    def __init__(self, embedding_class: str = EMBEDDING_CLASS, seconds_per_grid_step: float | None = None) -> None:
+        self.frames = SglangFrames(embedding_class)
+        self.seconds_per_grid_step = seconds_per_grid_step
+
+    def success_frames(self, meta: PartMeta, part: EncodedPart) -> list[bytes | memoryview]:
+        from processors.dtypes import raw_bytes
+
+        if meta.modality == "audio":
+            grids = [layout.mel_frames for layout in part.layouts]
+            if None in grids:
+                raise ValueError("this model's audio layouts do not say their mel-frame lengths")
+        else:
+            grids = [layout.grid_thw for layout in part.layouts]
+        seconds = None
+        if meta.modality == "video" and self.seconds_per_grid_step is not None:
+            seconds = [self.seconds_per_grid_step] * len(part.layouts)
+        header = self.frames.embedding_header(
+            req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
+            grids=grids, dtype=part.embedding.dtype, shape=part.embedding.shape, second_per_grid_ts=seconds)
+        return [header, raw_bytes(part.embedding)]
+
+    def failure_frames(self, meta: PartMeta, status: int, message: str) -> list[bytes | memoryview]:
+        """One frame: SGLang fails the request on `error_msg` before it looks for a payload."""
+        return [self.frames.error_header(req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts,
+                                         modality=meta.modality, message=message, code=status)]
+
+
+def seconds_per_grid_step(adapter: Any, video_fps: float) -> float | None:
+    """Qwen2.5-VL's seconds per temporal grid step (temporal patch size / sampling fps); None otherwise."""
+    if getattr(adapter.info, "family", None) != "qwen2_5_vl" or not hasattr(adapter, "temporal_patch_size"):
+        return None
+    return adapter.temporal_patch_size / video_fps
