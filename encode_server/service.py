@@ -38,6 +38,7 @@ from .responses import encode_response
 from .scheduler import EncoderScheduler
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from .settings import Settings
+from .sglang_registry import SglangRegistry, advertised_url, registry_urls
 from .sglang_wire import SglangWire, seconds_per_grid_step
 from .transfer import EmbeddingSender, check_endpoint
 
@@ -93,6 +94,10 @@ class EncoderService:
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
+        self.registry = SglangRegistry(registry_urls(settings.register_with),
+                                       advertised_url(settings.host, settings.port, settings.advertise_url)
+                                       ) if settings.register_with else None
+        self._withdrawal: asyncio.Task | None = None
 
     @property
     def pending(self) -> int:
@@ -107,8 +112,12 @@ class EncoderService:
         self.scheduler.start()
         self._loop_lag.start()
         self.health.verdict()  # the first probe starts now, in the background
+        if self.registry is not None:
+            self.registry.start()
 
     async def stop(self) -> None:
+        if self.registry is not None:
+            await (self._withdrawal or self.registry.withdraw())
         self._loop_lag.stop()
         await self.health.close()
         await self.scheduler.stop()
@@ -224,8 +233,11 @@ class EncoderService:
         return verdict
 
     def begin_drain(self) -> None:
-        """Stop admitting: new requests and /health get 503; those in flight go on."""
+        """Stop admitting: new requests and /health get 503; those in flight go on. SGLang registries
+        (`--register-with`) are told at once, so they stop dispatching here."""
         self.admission.begin_drain()
+        if self.registry is not None and self._withdrawal is None:
+            self._withdrawal = asyncio.get_running_loop().create_task(self.registry.withdraw())
 
     async def wait_drained(self, timeout: float) -> bool:
         """True when every admitted request has left within `timeout` seconds."""

@@ -113,6 +113,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--sglang-embedding-class", str, "sglang.srt.disaggregation.encoder.receiver.EmbeddingData",
            "with --wire-format sglang: the class path frame 0 names (SGLang 0.5.21+; 0.5.12 to 0.5.18: "
            "sglang.srt.disaggregation.encode_receiver.EmbeddingData)"),
+    Option("--register-with", str, None,
+           "comma-separated URLs of SGLang encoder registries: on start POST {url}/register_encoder_url with "
+           "this encoder's URL, on drain DELETE {url}/unregister_encoder_url"),
+    Option("--advertise-url", str, None,
+           "the URL others reach this encoder at, for --register-with (default: http://HOST:PORT)"),
 )
 
 
@@ -156,6 +161,8 @@ class Settings:
     log_level: str = _DEFAULTS["log_level"]
     wire_format: str = _DEFAULTS["wire_format"]
     sglang_embedding_class: str = _DEFAULTS["sglang_embedding_class"]
+    register_with: str | None = _DEFAULTS["register_with"]
+    advertise_url: str | None = _DEFAULTS["advertise_url"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -182,6 +189,11 @@ class Settings:
         from .sglang_wire import check_class_path
 
         check_class_path(self.sglang_embedding_class)
+        if self.register_with:
+            from .sglang_registry import advertised_url, registry_urls
+
+            registry_urls(self.register_with)
+            advertised_url(self.host, self.port, self.advertise_url)
 
     def cpu_threads_per_rank(self, ranks: int) -> int:
         """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or half

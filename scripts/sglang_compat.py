@@ -315,6 +315,30 @@ def never_registered(url: str, item: str) -> None:
     record(step, ok, f"{code} after {elapsed:.2f} s: {message!r}")
 
 
+def registry_round_trip(flags: tuple[str, ...]) -> None:
+    """`--register-with` against SGLang's own EncoderBootstrapServer: listed on start, gone after drain."""
+    from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
+
+    from encode_server.bench.launcher import ServerProcess
+
+    step = "--register-with: SGLang's EncoderBootstrapServer lists us on start, drops us on drain"
+    port = free_port()
+    registry = EncoderBootstrapServer("127.0.0.1", port, urls=[], health_check_interval=0)
+    try:
+        with ServerProcess(*flags, "--register-with", f"http://127.0.0.1:{port}") as server:
+            deadline = time.monotonic() + 30
+            while server.url not in registry.list_urls() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            listed = registry.list_urls()
+        deadline = time.monotonic() + 10
+        while registry.list_urls() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = registry.list_urls()
+        record(step, listed == [server.url] and after == [], f"while serving {listed}, after drain {after}")
+    finally:
+        registry.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen2.5-vl")
@@ -348,6 +372,7 @@ def main() -> int:
         finally:
             ranks.close()
         never_registered(first.url, image_a)
+    registry_round_trip(flags)
     width = max(len(step) for step, _, _ in RESULTS)
     print("\n| step | result |\n| --- | --- |")
     for step, ok, _ in RESULTS:
