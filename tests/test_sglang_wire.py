@@ -237,3 +237,48 @@ def test_a_non_dtype_is_refused():
     with pytest.raises(TypeError):
         SglangFrames().embedding_header(req_id="r", part_idx=0, num_parts=1, modality="image", grids=[(1, 2, 2)],
                                         dtype="float32", shape=(1, 8))
+
+
+# --- the fast path (C pickler, class references renamed) against the reference pickler --------------
+
+@pytest.mark.parametrize("req_id", [
+    "r", "x" * 300, "émoji-🙂_local_part_3", "\x8c\x19encode_server.sglang_wire\x94 modality",
+    "sglang.srt.managers.schedule_batch Modality _ModalityClassStandIn",
+])
+@pytest.mark.parametrize("modality,grids,seconds", [
+    ("image", [(1, 4, 6)], None), ("video", [(2, 4, 4), (8, 30, 52)], [1.0, 0.5]), ("audio", [3000, 7], None),
+    ("image", [(1, 2, 2)] * 2000, None),  # beyond one pickle frame: the reference path answers
+])
+def test_fast_path_gives_the_reference_picklers_bytes(req_id, modality, grids, seconds):
+    from encode_server import sglang_wire
+
+    for frames in (SglangFrames(), SglangFrames(LEGACY_EMBEDDING_CLASS, "sglang.srt.multimodal.modality.Modality")):
+        header = frames.embedding_header(req_id=req_id, part_idx=1, num_parts=2, modality=modality, grids=grids,
+                                         dtype=torch.float16, shape=(70000, 3584), second_per_grid_ts=seconds,
+                                         send_time=12.5)
+        stand_in = sglang_wire._EmbeddingDataStandIn()
+        stand_in.__dict__.update(load(header).__dict__)
+        stand_in.modality = sglang_wire._ModalityMember(int(stand_in.modality))
+        assert canonical(header) == canonical(frames._reference_dumps(stand_in))
+        assert load(header).req_id == req_id
+        error = frames.error_header(req_id=req_id, part_idx=0, num_parts=1, modality=modality, message=req_id,
+                                    code=502, send_time=1.0)
+        assert (load(error).error_msg, load(error).error_code) == (req_id, 502)
+
+
+def test_fast_path_is_taken_for_ordinary_frames_and_not_beyond_one_frame():
+    from encode_server import sglang_wire
+
+    frames = SglangFrames()
+
+    def stand_in(grids):
+        obj = sglang_wire._EmbeddingDataStandIn()
+        obj.__dict__.update({"req_id": "r", "grid_dim": sglang_wire.grid_tensor(grids),
+                             "modality": sglang_wire._ModalityMember(1)})
+        return obj
+
+    small, huge = stand_in([(1, 4, 4)]), stand_in([(1, 2, 2)] * 4000)
+    renamed = frames._retarget(pickle.dumps(small, protocol=4))
+    assert renamed is not None and canonical(renamed) == canonical(frames._reference_dumps(small))
+    assert frames._retarget(pickle.dumps(huge, protocol=4)) is None
+    assert frames._retarget(b"\x80\x04N.") is None
