@@ -23,13 +23,20 @@ import zmq
 
 from encode_server.records import EncodedPart, PartMeta
 from encode_server.sglang_wire import SglangFrames, SglangWire, seconds_per_grid_step
-from processors import ItemLayout
-from processors.builtin import tiny_qwen2_audio, tiny_qwen25_vl
+from processors import BUILTIN_MODELS, ItemLayout
 
 from .helpers import ServerProcess, image_b64
 from .test_sglang_wire import canonical, load
 
 SEND_TIMEOUT = 1.5
+
+
+def tiny_qwen25_vl(device: torch.device, dtype: torch.dtype):
+    return BUILTIN_MODELS["tiny-qwen2.5-vl"](device, dtype)
+
+
+def tiny_qwen2_audio(device: torch.device, dtype: torch.dtype):
+    return BUILTIN_MODELS["tiny-qwen2-audio"](device, dtype)
 SGLANG_EXTRAS = {"encoder_idx": 0, "encoder_url": "http://127.0.0.1:1", "time_stats_json": '{"x": 1}'}
 
 
