@@ -84,10 +84,10 @@ class Admission:
     @staticmethod
     def _endpoints(request: EncodeRequest) -> list[str]:
         ports = request.embedding_port
-        if ports is None and request.prefill_host is None:
+        if ports is None:  # with prefill_host: SGLang's zmq_to_scheduler form, its ranks register (delivery)
             return []
-        if ports is None or request.prefill_host is None:
-            raise EncodeError(400, "prefill_host and embedding_port go together", request.req_id)
+        if request.prefill_host is None:
+            raise EncodeError(400, "embedding_port needs prefill_host", request.req_id)
         ports = [ports] if isinstance(ports, int) else ports
         if not ports:
             raise EncodeError(400, "embedding_port: an empty list names no destination", request.req_id)

@@ -26,7 +26,7 @@ from processors.dtypes import DTYPE_NAMES
 
 from .admission import Admission
 from .clock import Clock, MonotonicClock
-from .delivery import Delivery, NativeWire
+from .delivery import Delivery, NativeWire, WireFormat
 from .engine import EncoderEngine
 from .health import HealthProbe
 from .media import MediaError, MediaLimits, MediaLoader, parse_item
@@ -38,12 +38,26 @@ from .responses import encode_response
 from .scheduler import EncoderScheduler
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from .settings import Settings
+from .sglang_registry import SglangRegistry, advertised_url, registry_urls
+from .sglang_wire import SglangWire, seconds_per_grid_step
 from .transfer import EmbeddingSender, check_endpoint
 
 log = logging.getLogger("encode_server.service")
 
 #: The `req_id` of health probes.
 PROBE_REQ_ID = "__health_probe__"
+
+
+def wire_format(settings: Settings, adapter: EncoderAdapter) -> WireFormat:
+    """The ZMQ frames `--wire-format` asks for."""
+    if settings.wire_format == "sglang":
+        return SglangWire(settings.sglang_embedding_class, seconds_per_grid_step(adapter, settings.video_fps))
+    return NativeWire(adapter)
+
+
+def awaits_registrations(request: EncodeRequest) -> bool:
+    """SGLang's `zmq_to_scheduler` form: `prefill_host` without ports means its ranks will register."""
+    return request.prefill_host is not None and request.embedding_port is None
 
 
 def batch_policy(settings: Settings) -> BatchPolicy:
@@ -76,10 +90,14 @@ class EncoderService:
         self.scheduler = EncoderScheduler(self.engine, batch_policy(settings), self.metrics,
                                           max_in_flight=2 * settings.dp_size, clock=self.clock)
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
-        self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), NativeWire(adapter), self.metrics,
+        self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
+        self.registry = SglangRegistry(registry_urls(settings.register_with),
+                                       advertised_url(settings.host, settings.port, settings.advertise_url)
+                                       ) if settings.register_with else None
+        self._withdrawal: asyncio.Task | None = None
 
     @property
     def pending(self) -> int:
@@ -94,8 +112,12 @@ class EncoderService:
         self.scheduler.start()
         self._loop_lag.start()
         self.health.verdict()  # the first probe starts now, in the background
+        if self.registry is not None:
+            self.registry.start()
 
     async def stop(self) -> None:
+        if self.registry is not None:
+            await (self._withdrawal or self.registry.withdraw())
         self._loop_lag.stop()
         await self.health.close()
         await self.scheduler.stop()
@@ -118,14 +140,14 @@ class EncoderService:
             except asyncio.TimeoutError:
                 ticket.status = "504"
                 error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s", request.req_id)
-                self.delivery.notify_failure(meta, endpoints, error)
+                self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
                 raise error from None
             except EncodeError as error:
                 if error.status == 500 and self.admission.broken:
                     error = EncodeError(503, self.admission.broken, request.req_id, headers={"Retry-After": "5"})
                 ticket.status = str(error.status)
                 if error.status != 502:
-                    self.delivery.notify_failure(meta, endpoints, error)
+                    self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
                 raise error from None
             except asyncio.CancelledError:
                 ticket.status = "cancelled"
@@ -138,7 +160,8 @@ class EncoderService:
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
         """Encode an admitted request, deliver it, and build its response."""
         part = await self._encode_items(meta, request.mm_items, deadline)
-        transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding)
+        transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
+                                                 awaits_registrations(request))
         part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
         return part, await encode_response(meta, part, request.return_embedding, self.metrics,
                                            self.adapter.info.deepstack)
@@ -211,8 +234,11 @@ class EncoderService:
         return verdict
 
     def begin_drain(self) -> None:
-        """Stop admitting: new requests and /health get 503; those in flight go on."""
+        """Stop admitting: new requests and /health get 503; those in flight go on. SGLang registries
+        (`--register-with`) are told at once, so they stop dispatching here."""
         self.admission.begin_drain()
+        if self.registry is not None and self._withdrawal is None:
+            self._withdrawal = asyncio.get_running_loop().create_task(self.registry.withdraw())
 
     async def wait_drained(self, timeout: float) -> bool:
         """True when every admitted request has left within `timeout` seconds."""

@@ -106,6 +106,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--wire-format", str, "native",
+           "ZMQ frames for prefill receivers: native (a JSON header and the raw bytes, docs/CONTRACT.md section 3) "
+           "or sglang (SGLang's pickled EmbeddingData and the raw bytes, for an unchanged SGLang prefill server)",
+           choices=("native", "sglang")),
+    Option("--sglang-embedding-class", str, "sglang.srt.disaggregation.encoder.receiver.EmbeddingData",
+           "with --wire-format sglang: the class path frame 0 names (SGLang 0.5.21+; 0.5.12 to 0.5.18: "
+           "sglang.srt.disaggregation.encode_receiver.EmbeddingData)"),
+    Option("--register-with", str, None,
+           "comma-separated URLs of SGLang encoder registries: on start POST {url}/register_encoder_url with "
+           "this encoder's URL, on drain DELETE {url}/unregister_encoder_url"),
+    Option("--advertise-url", str, None,
+           "the URL others reach this encoder at, for --register-with (default: http://HOST:PORT)"),
 )
 
 
@@ -147,6 +159,10 @@ class Settings:
     cpu_threads: int = _DEFAULTS["cpu_threads"]
     media_workers: int = _DEFAULTS["media_workers"]
     log_level: str = _DEFAULTS["log_level"]
+    wire_format: str = _DEFAULTS["wire_format"]
+    sglang_embedding_class: str = _DEFAULTS["sglang_embedding_class"]
+    register_with: str | None = _DEFAULTS["register_with"]
+    advertise_url: str | None = _DEFAULTS["advertise_url"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -168,6 +184,16 @@ class Settings:
             raise ValueError(f"--req-timeout-s must be positive, got {self.req_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.wire_format not in ("native", "sglang"):
+            raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
+        from .sglang_wire import check_class_path
+
+        check_class_path(self.sglang_embedding_class)
+        if self.register_with:
+            from .sglang_registry import advertised_url, registry_urls
+
+            registry_urls(self.register_with)
+            advertised_url(self.host, self.port, self.advertise_url)
 
     def cpu_threads_per_rank(self, ranks: int) -> int:
         """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or half

@@ -29,6 +29,9 @@ class ItemLayout:
 
     tokens: int
     grid_thw: tuple[int, int, int]
+    # Audio: the clip's length in feature-extractor (mel) frames, what SGLang's receiver takes as the
+    # item's grid. Not part of equality: a layout is defined by its rows and grid.
+    mel_frames: int | None = field(default=None, compare=False)
 
     def as_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "grid_thw": list(self.grid_thw)}

@@ -71,7 +71,7 @@ class QwenAudioAdapter(EncoderAdapter):
         rows = audio_output_rows(frames)
         if rows < 1:
             raise ItemError(f"audio of {item.shape[0]} samples is too short to yield an embedding")
-        return ItemLayout(tokens=rows, grid_thw=(1, 1, rows))
+        return ItemLayout(tokens=rows, grid_thw=(1, 1, rows), mel_frames=frames)
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
         features = self.feature_extractor(
@@ -79,7 +79,8 @@ class QwenAudioAdapter(EncoderAdapter):
             return_tensors="pt")
         frames = features["attention_mask"].sum(-1)
         rows = [audio_output_rows(int(n)) for n in frames]
-        return PreparedBatch(modality=modality, layouts=[ItemLayout(tokens=r, grid_thw=(1, 1, r)) for r in rows],
+        return PreparedBatch(modality=modality, layouts=[ItemLayout(tokens=r, grid_thw=(1, 1, r), mel_frames=int(n))
+                                                         for r, n in zip(rows, frames)],
                              inputs={"input_features": features["input_features"], "frames": frames})
 
     @torch.inference_mode()
