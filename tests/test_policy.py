@@ -1,4 +1,4 @@
-"""The dispatch policy (CONTRACT section 4) as pure functions: every rule, its edges, and properties.
+"""The dispatch policy (docs/CONTRACT.md, section 4) as pure functions: every rule, its edges, and properties.
 
 Priorities, deadlines and promotions (issue 17), adaptive waiting against a fixed cost model, and the
 properties over a discrete-event simulation of the scheduler driving `decide`."""
