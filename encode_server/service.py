@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from .media import MediaError, MediaLimits, MediaLoader, parse_item
 from .metrics import LoopLagMonitor, ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
+from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from .records import EncodedPart, EncodeError, EncodeJob, PartMeta
 from .responses import encode_response
 from .scheduler import EncoderScheduler
@@ -70,7 +70,8 @@ class EncoderService:
         self.started_at = time.time()
         self.admission = Admission(settings, adapter, self.metrics, self.clock,
                                    evict=lambda priority: self.scheduler.evict_for(priority))
-        self._media_pool = ThreadPoolExecutor(settings.media_workers, thread_name_prefix="media")
+        # Decoding is ordered by priority too, so an interactive request does not wait behind a flood's decodes.
+        self._media_pool = PriorityThreadPool(settings.media_workers, thread_name_prefix="media")
         self.media = MediaLoader(self._media_pool, MediaLimits.from_settings(settings, adapter))
         replicas = None
         if group is not None and group.role == "dp":
@@ -149,6 +150,7 @@ class EncoderService:
                             probe: bool = False, priority: int = 0) -> EncodedPart:
         """Fetch and decode a part's items (each on its own), then encode them in a fused batch."""
         decode_started = time.perf_counter()
+        CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
