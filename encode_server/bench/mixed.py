@@ -26,6 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from .launcher import ServerProcess
@@ -151,6 +152,10 @@ async def run_wait(args) -> dict:
                        "errors": point.errors}
                 print(json.dumps(row), flush=True)
                 results.append(row)
+            if wait == "auto":  # what it learned, as /v1/performance shows it
+                learned = httpx.get(server.url + "/v1/performance", timeout=10).json().get("cost_model")
+                print(json.dumps({"cost_model": learned}), flush=True)
+                results.append({"max_wait_ms": wait, "cost_model": learned})
     return {"points": results}
 
 
