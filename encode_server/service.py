@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from .media import MediaError, MediaLimits, MediaLoader, parse_item
 from .metrics import LoopLagMonitor, ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
+from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from .records import EncodedPart, EncodeError, EncodeJob, PartMeta
 from .responses import encode_response
 from .scheduler import EncoderScheduler
@@ -63,9 +63,11 @@ def awaits_registrations(request: EncodeRequest) -> bool:
 def batch_policy(settings: Settings) -> BatchPolicy:
     """The dispatch policy's knobs, from the settings."""
     return BatchPolicy(
-        max_batch_size=settings.max_batch_size, max_wait_s=settings.max_wait_ms / 1000.0,
+        max_batch_size=settings.max_batch_size,
+        max_wait_s=0.0 if settings.adaptive_wait else settings.max_wait_ms / 1000.0,
         min_batch_size=settings.min_batch_size, hard_timeout_additional_s=settings.hard_timeout_additional_s,
         max_batch_tokens=settings.max_batch_tokens, dynamic_batching=settings.enable_dynamic_batching,
+        adaptive_wait=settings.adaptive_wait,
     )
 
 
@@ -80,8 +82,10 @@ class EncoderService:
         self.clock = clock or MonotonicClock()
         self.metrics = ServerMetrics()
         self.started_at = time.time()
-        self.admission = Admission(settings, adapter, self.metrics, self.clock)
-        self._media_pool = ThreadPoolExecutor(settings.media_workers, thread_name_prefix="media")
+        self.admission = Admission(settings, adapter, self.metrics, self.clock,
+                                   evict=lambda priority: self.scheduler.evict_for(priority))
+        # Decoding is ordered by priority too, so an interactive request does not wait behind a flood's decodes.
+        self._media_pool = PriorityThreadPool(settings.media_workers, thread_name_prefix="media")
         self.media = MediaLoader(self._media_pool, MediaLimits.from_settings(settings, adapter))
         replicas = None
         if group is not None and group.role == "dp":
@@ -159,7 +163,7 @@ class EncoderService:
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
         """Encode an admitted request, deliver it, and build its response."""
-        part = await self._encode_items(meta, request.mm_items, deadline)
+        part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
         transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
                                                  awaits_registrations(request))
         part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
@@ -167,9 +171,10 @@ class EncoderService:
                                            self.adapter.info.deepstack)
 
     async def _encode_items(self, meta: PartMeta, raw_items: list[Any], deadline: float,
-                            probe: bool = False) -> EncodedPart:
+                            probe: bool = False, priority: int = 0) -> EncodedPart:
         """Fetch and decode a part's items (each on its own), then encode them in a fused batch."""
         decode_started = time.perf_counter()
+        CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
@@ -180,7 +185,7 @@ class EncoderService:
         job = EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
                         decode_s=decode_s, probe=probe)
-        return await self.scheduler.submit(job, deadline)
+        return await self.scheduler.submit(job, deadline, priority)
 
     async def register_receiver(self, payload: Any) -> dict[str, Any]:
         """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""
@@ -264,4 +269,6 @@ class EncoderService:
         }
 
     def performance(self) -> dict[str, Any]:
-        return self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
+        summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
+        summary["cost_model"] = self.scheduler.costs.summary(self.settings.max_batch_size, self.clock.now())
+        return summary

@@ -30,6 +30,22 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
+#: `--max-wait-ms auto`: the wait is chosen per decision from the learned cost curve.
+AUTO_WAIT = "auto"
+
+
+def parse_wait_ms(text: str | float) -> float | str:
+    """`--max-wait-ms`: milliseconds, or `auto`."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    if text.strip().lower() == AUTO_WAIT:
+        return AUTO_WAIT
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected milliseconds or 'auto', got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting: its flag, type, default and meaning; the env var is derived from the flag."""
@@ -61,8 +77,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", *DTYPES)),
     Option("--max-batch-size", int, 32, "most requests fused into one encoder forward",
            aliases=("SGLANG_ENCODER_MAX_BATCH_SIZE",)),
-    Option("--max-wait-ms", float, 0.0,
-           "how long the oldest queued request may wait for company before its batch is dispatched"),
+    Option("--max-wait-ms", parse_wait_ms, 0.0,
+           "how long the oldest queued request may wait for company before its batch is dispatched; 'auto': "
+           "chosen per decision from the learned cost of a forward and the arrival rate (min-batch-size unused, "
+           "hard-timeout-additional-s still caps the wait)"),
     Option("--min-batch-size", int, 1,
            "below this many queued requests, keep waiting after max-wait until the hard timeout"),
     Option("--hard-timeout-additional-s", float, 1.0,
@@ -118,6 +136,8 @@ OPTIONS: tuple[Option, ...] = (
            "this encoder's URL, on drain DELETE {url}/unregister_encoder_url"),
     Option("--advertise-url", str, None,
            "the URL others reach this encoder at, for --register-with (default: http://HOST:PORT)"),
+    Option("--max-priority", int, 9,
+           "highest /encode 'priority' accepted (0 is the default and lowest; outside 0..this: 400)"),
 )
 
 
@@ -135,7 +155,7 @@ class Settings:
     device: str = _DEFAULTS["device"]
     dtype: str = _DEFAULTS["dtype"]
     max_batch_size: int = _DEFAULTS["max_batch_size"]
-    max_wait_ms: float = _DEFAULTS["max_wait_ms"]
+    max_wait_ms: float | str = _DEFAULTS["max_wait_ms"]  # or AUTO_WAIT
     min_batch_size: int = _DEFAULTS["min_batch_size"]
     hard_timeout_additional_s: float = _DEFAULTS["hard_timeout_additional_s"]
     max_batch_tokens: int = _DEFAULTS["max_batch_tokens"]
@@ -163,6 +183,7 @@ class Settings:
     sglang_embedding_class: str = _DEFAULTS["sglang_embedding_class"]
     register_with: str | None = _DEFAULTS["register_with"]
     advertise_url: str | None = _DEFAULTS["advertise_url"]
+    max_priority: int = _DEFAULTS["max_priority"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -170,8 +191,12 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
-                     "health_probe_interval_s"):
+        if isinstance(self.max_wait_ms, str) and self.max_wait_ms != AUTO_WAIT:
+            raise ValueError(f"--max-wait-ms must be milliseconds or '{AUTO_WAIT}', got {self.max_wait_ms!r}")
+        if not self.adaptive_wait and self.max_wait_ms < 0:
+            raise ValueError(f"--max-wait-ms must not be negative, got {self.max_wait_ms}")
+        for name in ("hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
+                     "health_probe_interval_s", "max_priority"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
@@ -194,6 +219,11 @@ class Settings:
 
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
+
+    @property
+    def adaptive_wait(self) -> bool:
+        """`--max-wait-ms auto`."""
+        return self.max_wait_ms == AUTO_WAIT
 
     def cpu_threads_per_rank(self, ranks: int) -> int:
         """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or half

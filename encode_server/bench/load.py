@@ -70,8 +70,9 @@ class _Client:
     """Sends one request and records its latency and the batch it rode in."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, modality: str, payloads: list[str],
-                 progress=None) -> None:
+                 progress=None, priority: int | None = None) -> None:
         self.session, self.url, self.modality, self.payloads = session, url, modality, payloads
+        self.priority = priority  # sent as the body's "priority" when set
         self.latencies: list[float] = []
         self.batch_sizes: list[int] = []
         self.errors = 0
@@ -80,6 +81,8 @@ class _Client:
     async def one(self, index: int, tag: str) -> None:
         item = self.payloads[index % len(self.payloads)]
         body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": [item]}
+        if self.priority is not None:
+            body["priority"] = self.priority
         started = time.perf_counter()
         try:
             async with self.session.post(self.url + "/encode", json=body) as response:
