@@ -51,6 +51,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .settings import DEFAULTS as SETTING_DEFAULTS
+
 #: Modalities whose requests may share one encoder forward.
 FUSABLE_MODALITIES = frozenset({"image", "audio"})
 
@@ -75,14 +77,15 @@ def queue_key(view: QueuedView) -> tuple[float, float, float]:
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    """The batching knobs, in seconds and counts."""
+    """The batching knobs, in seconds and counts (defaults: the settings table's; a server builds its
+    policy from its settings with `service.batch_policy`)."""
 
-    max_batch_size: int = 32
-    max_wait_s: float = 0.0
-    min_batch_size: int = 1
-    hard_timeout_additional_s: float = 1.0
-    max_batch_tokens: int = 0  # 0: no cap
-    dynamic_batching: bool = True
+    max_batch_size: int = SETTING_DEFAULTS["max_batch_size"]
+    max_wait_s: float = SETTING_DEFAULTS["max_wait_ms"] / 1000.0
+    min_batch_size: int = SETTING_DEFAULTS["min_batch_size"]
+    hard_timeout_additional_s: float = SETTING_DEFAULTS["hard_timeout_additional_s"]
+    max_batch_tokens: int = SETTING_DEFAULTS["max_batch_tokens"]  # 0: no cap
+    dynamic_batching: bool = SETTING_DEFAULTS["enable_dynamic_batching"]
     adaptive_wait: bool = False  # --max-wait-ms auto: max_wait_s and min_batch_size are then not used
     deadline_margin_s: float = 0.1  # floor of the promotion window before a request's deadline
     target_utilization: float = 0.85  # adaptive waiting: keep the encoder at most this busy at the chosen batch size

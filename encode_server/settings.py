@@ -142,48 +142,48 @@ OPTIONS: tuple[Option, ...] = (
 
 
 #: Setting name -> default, from the one table.
-_DEFAULTS: dict[str, Any] = {option.dest: option.default for option in OPTIONS}
+DEFAULTS: dict[str, Any] = {option.dest: option.default for option in OPTIONS}
 
 
 @dataclass(frozen=True)
 class Settings:
     """The effective settings of one server process (defaults: the `OPTIONS` table)."""
 
-    model: str = _DEFAULTS["model"]
-    host: str = _DEFAULTS["host"]
-    port: int = _DEFAULTS["port"]
-    device: str = _DEFAULTS["device"]
-    dtype: str = _DEFAULTS["dtype"]
-    max_batch_size: int = _DEFAULTS["max_batch_size"]
-    max_wait_ms: float | str = _DEFAULTS["max_wait_ms"]  # or AUTO_WAIT
-    min_batch_size: int = _DEFAULTS["min_batch_size"]
-    hard_timeout_additional_s: float = _DEFAULTS["hard_timeout_additional_s"]
-    max_batch_tokens: int = _DEFAULTS["max_batch_tokens"]
-    enable_dynamic_batching: bool = _DEFAULTS["enable_dynamic_batching"]
-    max_pending: int = _DEFAULTS["max_pending"]
-    req_timeout_s: float = _DEFAULTS["req_timeout_s"]
-    send_timeout_s: float = _DEFAULTS["send_timeout_s"]
-    tp_size: int = _DEFAULTS["tp_size"]
-    dp_size: int = _DEFAULTS["dp_size"]
-    api_key: str | None = _DEFAULTS["api_key"]
-    allow_private_urls: bool = _DEFAULTS["allow_private_urls"]
-    allowed_local_media_dir: str | None = _DEFAULTS["allowed_local_media_dir"]
-    max_request_bytes: int = _DEFAULTS["max_request_bytes"]
-    max_image_pixels: int = _DEFAULTS["max_image_pixels"]
-    max_audio_seconds: float = _DEFAULTS["max_audio_seconds"]
-    video_fps: float = _DEFAULTS["video_fps"]
-    max_video_frames: int = _DEFAULTS["max_video_frames"]
-    drain_timeout_s: float = _DEFAULTS["drain_timeout_s"]
-    health_probe_interval_s: float = _DEFAULTS["health_probe_interval_s"]
-    health_probe_timeout_s: float = _DEFAULTS["health_probe_timeout_s"]
-    cpu_threads: int = _DEFAULTS["cpu_threads"]
-    media_workers: int = _DEFAULTS["media_workers"]
-    log_level: str = _DEFAULTS["log_level"]
-    wire_format: str = _DEFAULTS["wire_format"]
-    sglang_embedding_class: str = _DEFAULTS["sglang_embedding_class"]
-    register_with: str | None = _DEFAULTS["register_with"]
-    advertise_url: str | None = _DEFAULTS["advertise_url"]
-    max_priority: int = _DEFAULTS["max_priority"]
+    model: str = DEFAULTS["model"]
+    host: str = DEFAULTS["host"]
+    port: int = DEFAULTS["port"]
+    device: str = DEFAULTS["device"]
+    dtype: str = DEFAULTS["dtype"]
+    max_batch_size: int = DEFAULTS["max_batch_size"]
+    max_wait_ms: float | str = DEFAULTS["max_wait_ms"]  # or AUTO_WAIT
+    min_batch_size: int = DEFAULTS["min_batch_size"]
+    hard_timeout_additional_s: float = DEFAULTS["hard_timeout_additional_s"]
+    max_batch_tokens: int = DEFAULTS["max_batch_tokens"]
+    enable_dynamic_batching: bool = DEFAULTS["enable_dynamic_batching"]
+    max_pending: int = DEFAULTS["max_pending"]
+    req_timeout_s: float = DEFAULTS["req_timeout_s"]
+    send_timeout_s: float = DEFAULTS["send_timeout_s"]
+    tp_size: int = DEFAULTS["tp_size"]
+    dp_size: int = DEFAULTS["dp_size"]
+    api_key: str | None = DEFAULTS["api_key"]
+    allow_private_urls: bool = DEFAULTS["allow_private_urls"]
+    allowed_local_media_dir: str | None = DEFAULTS["allowed_local_media_dir"]
+    max_request_bytes: int = DEFAULTS["max_request_bytes"]
+    max_image_pixels: int = DEFAULTS["max_image_pixels"]
+    max_audio_seconds: float = DEFAULTS["max_audio_seconds"]
+    video_fps: float = DEFAULTS["video_fps"]
+    max_video_frames: int = DEFAULTS["max_video_frames"]
+    drain_timeout_s: float = DEFAULTS["drain_timeout_s"]
+    health_probe_interval_s: float = DEFAULTS["health_probe_interval_s"]
+    health_probe_timeout_s: float = DEFAULTS["health_probe_timeout_s"]
+    cpu_threads: int = DEFAULTS["cpu_threads"]
+    media_workers: int = DEFAULTS["media_workers"]
+    log_level: str = DEFAULTS["log_level"]
+    wire_format: str = DEFAULTS["wire_format"]
+    sglang_embedding_class: str = DEFAULTS["sglang_embedding_class"]
+    register_with: str | None = DEFAULTS["register_with"]
+    advertise_url: str | None = DEFAULTS["advertise_url"]
+    max_priority: int = DEFAULTS["max_priority"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
