@@ -129,8 +129,11 @@ def decode_data_uri(uri: str, location: str) -> bytes:
     return urllib.parse.unquote_to_bytes(payload)
 
 
-def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
-    """An RGB image, refusing images larger than `max_pixels` from their header alone."""
+def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool = False) -> Image.Image:
+    """An RGB image, refusing images larger than `max_pixels` from their header alone.
+
+    `header_only`: the image as opened (size and mode known, pixels not decoded yet), for when the
+    pixels are decoded elsewhere (the preprocessing pool's workers) and only the layout is needed here."""
     if not data:
         raise MediaError(location, "empty image data")
     try:
@@ -148,6 +151,8 @@ def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
         raise MediaError(
             location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}"
         )
+    if header_only:
+        return image
     try:
         image.load()
         return image.convert("RGB")
@@ -253,18 +258,20 @@ class MediaLimits:
         )
 
 
-def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str) -> Any:
-    """One item's file bytes decoded for `modality` (an image, a waveform, or a video's frames)."""
+def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str, header_only: bool = False) -> Any:
+    """One item's file bytes decoded for `modality` (an image, a waveform, or a video's frames);
+    `header_only`: images are only opened (see `decode_image`)."""
     if modality == "image":
-        return decode_image(data, limits.max_image_pixels, location)
+        return decode_image(data, limits.max_image_pixels, location, header_only)
     if modality == "audio":
         return decode_audio(data, limits.audio_sample_rate, limits.max_audio_seconds, location)
     return decode_video(data, limits.video_fps, limits.max_video_frames, limits.max_image_pixels, location)
 
 
-def decode_frames(frames: list[bytes], limits: MediaLimits, location: str) -> list[Image.Image]:
+def decode_frames(frames: list[bytes], limits: MediaLimits, location: str,
+                  header_only: bool = False) -> list[Image.Image]:
     """A video given as a list of image files."""
-    return [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]")
+    return [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]", header_only)
             for index, data in enumerate(frames)]
 
 
@@ -281,8 +288,10 @@ class LoadedItem:
 class MediaLoader:
     """Fetches and decodes items; decoding runs in `pool`, fetching on one shared aiohttp session."""
 
-    def __init__(self, pool: Executor, limits: MediaLimits, fetch_timeout_s: float = 30.0) -> None:
+    def __init__(self, pool: Executor, limits: MediaLimits, fetch_timeout_s: float = 30.0,
+                 header_only_images: bool = False) -> None:
         self._pool = pool
+        self.header_only_images = header_only_images  # images opened, not decoded: a preprocessing pool decodes
         self.limits = limits
         self._max_fetch_bytes = limits.max_fetch_bytes
         self._timeout = aiohttp.ClientTimeout(total=fetch_timeout_s, sock_connect=10.0)
@@ -395,13 +404,13 @@ class MediaLoader:
     def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,
                 describe: Callable[[str, Any], Any]) -> LoadedItem:
         data = self._bytes_of(raw)
-        decoded = decode_bytes(modality, data, self.limits, source.location)
+        decoded = decode_bytes(modality, data, self.limits, source.location, self.header_only_images)
         return LoadedItem(decoded, _describe(describe, modality, decoded, source.location), data)
 
     def _decode_frames(self, frame_bytes: list[bytes | MediaSource], source: MediaSource, modality: str,
                        describe: Callable[[str, Any], Any]) -> LoadedItem:
         datas = [self._bytes_of(raw) for raw in frame_bytes]
-        frames = decode_frames(datas, self.limits, source.location)
+        frames = decode_frames(datas, self.limits, source.location, self.header_only_images)
         return LoadedItem(frames, _describe(describe, modality, frames, source.location), datas)
 
 

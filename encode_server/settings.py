@@ -106,6 +106,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--preprocess-workers", int, 0,
+           "processes that decode and preprocess images (each item on its own, results in shared memory); "
+           "0: in the server process; -1: every core but one, at least 2 (0 on one core); not with --tp-size > 1"),
+    Option("--preprocess-device", str, "cpu",
+           "where image preprocessing runs: cpu (PIL) or cuda (transformers' fast image processors on the "
+           "model's GPU; needs a CUDA device and torchvision)", choices=("cpu", "cuda")),
 )
 
 
@@ -147,6 +153,8 @@ class Settings:
     cpu_threads: int = _DEFAULTS["cpu_threads"]
     media_workers: int = _DEFAULTS["media_workers"]
     log_level: str = _DEFAULTS["log_level"]
+    preprocess_workers: int = _DEFAULTS["preprocess_workers"]
+    preprocess_device: str = _DEFAULTS["preprocess_device"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -161,6 +169,8 @@ class Settings:
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.preprocess_workers < -1:
+            raise ValueError(f"--preprocess-workers must be -1 (auto), 0 or more, got {self.preprocess_workers}")
         if self.tp_size > 1 and self.dp_size > 1:
             raise ValueError("--tp-size and --dp-size cannot both be above 1 in one server: run one server per "
                              "tensor-parallel group and balance across them")
