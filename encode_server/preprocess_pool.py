@@ -23,7 +23,7 @@ crash fails that item with a 500 naming the signal. A worker holding one item lo
 every item even when workers keep dying (after `max_start_failures` crashes at start-up in a row the
 pool gives up and fails what it holds).
 
-    pool = PreprocessPool(adapter, MediaLimits(), workers=4)
+    pool = PreprocessPool(adapter, MediaLimits.from_settings(settings, adapter), workers=4)
     pool.start()                                   # blocks until every worker is ready
     results = await pool.prepare("image", [jpeg_bytes, png_bytes])   # PreparedBatch | ItemFailure
     batch = adapter.collate([r for r in results if isinstance(r, PreparedBatch)])

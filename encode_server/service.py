@@ -70,6 +70,10 @@ def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: Me
     if settings.tp_size > 1:
         log.warning("--preprocess-workers is ignored with --tp-size > 1: every rank preprocesses in-process")
         return None
+    if settings.preprocess_device != "cpu":
+        log.warning("--preprocess-workers is ignored with --preprocess-device %s: images are preprocessed on the "
+                    "GPU in this process", settings.preprocess_device)
+        return None
     return PreprocessPool(adapter, limits, workers, item_timeout_s=settings.req_timeout_s)
 
 

@@ -171,6 +171,9 @@ class Settings:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.preprocess_workers < -1:
             raise ValueError(f"--preprocess-workers must be -1 (auto), 0 or more, got {self.preprocess_workers}")
+        if self.preprocess_device != "cpu" and (self.tp_size > 1 or self.dp_size > 1):
+            raise ValueError("--preprocess-device cuda is for single-process servers: with --tp-size or --dp-size "
+                             "above 1 every rank must preprocess alike")
         if self.tp_size > 1 and self.dp_size > 1:
             raise ValueError("--tp-size and --dp-size cannot both be above 1 in one server: run one server per "
                              "tensor-parallel group and balance across them")

@@ -8,6 +8,7 @@ computed in this process with the unsabotaged adapter.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import multiprocessing
 import os
@@ -30,10 +31,11 @@ from encode_server.preprocess_pool import (
     export_tensors,
     import_tensors,
 )
+from encode_server.settings import Settings
 from processors import EncoderAdapter, PreparedBatch, load_adapter
 
 CRASH_WIDTH, HANG_WIDTH = 77, 78
-LIMITS = MediaLimits()
+LIMITS = MediaLimits.from_settings(Settings(), None)
 
 
 def image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -307,3 +309,102 @@ def test_an_audio_clip_travels_too(adapters):
     shared = export_tensors(prepared.inputs, SHM_DIR / f"encode-preprocess-audio-{os.getpid()}")
     back = PreparedBatch("audio", import_tensors(shared), prepared.layouts)
     assert_same(audio.preprocess("audio", [decode_bytes("audio", buffer.getvalue(), LIMITS, "x")]), back)
+
+
+# --- --preprocess-device -----------------------------------------------------------------------------
+
+def test_preprocess_device_cuda_is_refused_where_it_cannot_run(adapters):
+    from encode_server.gpu_preprocess import PreprocessDeviceError, check_preprocess_device
+    from encode_server.settings import Settings
+
+    qwen = adapters["tiny-qwen2.5-vl"]
+    check_preprocess_device("cpu", qwen)  # the default: nothing to check
+    with pytest.raises(PreprocessDeviceError, match="needs the model on a CUDA device"):
+        check_preprocess_device("cuda", qwen)
+    on_gpu = qwen.preprocessing_copy()
+    on_gpu.device = torch.device("cuda")
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(PreprocessDeviceError, match="needs torchvision"):
+            check_preprocess_device("cuda", on_gpu)
+    audio = adapters["tiny-qwen2-audio"].preprocessing_copy()
+    audio.device = torch.device("cuda")
+    with pytest.raises(PreprocessDeviceError):
+        check_preprocess_device("cuda", audio)
+    with pytest.raises(ValueError, match="single-process"):
+        Settings(preprocess_device="cuda", dp_size=2)
+    with pytest.raises(ValueError, match="preprocess-workers"):
+        Settings(preprocess_workers=-2)
+
+
+# --- the server with a pool ------------------------------------------------------------------------------
+
+def server_workers(server_pid: int) -> list[int]:
+    """The server's preprocessing workers (its spawned children, not multiprocessing's resource tracker)."""
+    children = []
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{task}/children") as handle:
+            children += [int(pid) for pid in handle.read().split()]
+    workers = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ")
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            workers.append(pid)
+    return workers
+
+
+def test_server_with_workers_fails_bad_items_alone_and_survives_a_killed_worker(adapters):
+    import base64
+
+    import httpx
+
+    from .helpers import ServerProcess
+
+    qwen = adapters["tiny-qwen2.5-vl"]
+    good = [encoded(120, 90, 90, "JPEG"), encoded(300, 200, 91, "JPEG")]
+    truncated = good[1][: len(good[1]) // 2]  # its header is fine: only a worker, decoding it, finds out
+    heavy = [encoded(1600, 1200, 92 + i, "JPEG") for i in range(6)]
+
+    def body(req_id: str, data: bytes) -> dict:
+        return {"req_id": req_id, "modality": "image", "mm_items": [base64.b64encode(data).decode()],
+                "return_embedding": True}
+
+    async def post_all(url: str, bodies: list[dict]) -> list:
+        async with httpx.AsyncClient(timeout=180) as client:
+            return await asyncio.gather(*(client.post(url + "/encode", json=b) for b in bodies))
+
+    def embedding(response) -> np.ndarray:
+        payload = response.json()
+        return np.frombuffer(base64.b64decode(payload["embedding"]), "<f4").reshape(payload["embedding_shape"])
+
+    def expected(data: bytes) -> np.ndarray:
+        return qwen.forward(reference(qwen, "image", [data])).numpy()
+
+    with ServerProcess("--preprocess-workers", "2", "--max-wait-ms", "50", startup_timeout=300) as server:
+        workers = server_workers(server.proc.pid)
+        assert len(workers) == 2
+        responses = asyncio.run(post_all(server.url, [body("g0", good[0]), body("bad", truncated),
+                                                      body("g1", good[1])]))
+        assert [r.status_code for r in responses] == [200, 400, 200]
+        assert "mm_items[0]" in responses[1].json()["message"] and "truncated" in responses[1].json()["message"]
+        for response, data in ((responses[0], good[0]), (responses[2], good[1])):
+            np.testing.assert_allclose(embedding(response), expected(data), rtol=1e-5, atol=1e-5)
+
+        async def killed_under_load():
+            pending = asyncio.ensure_future(post_all(server.url, [body(f"h{i}", data) for i, data in enumerate(heavy)]))
+            await asyncio.sleep(0.5)
+            os.kill(workers[0], signal.SIGKILL)
+            return await pending
+
+        responses = asyncio.run(killed_under_load())
+        assert [r.status_code for r in responses] == [200] * len(heavy)
+        for response, data in zip(responses, heavy):
+            np.testing.assert_allclose(embedding(response), expected(data), rtol=1e-5, atol=1e-5)
+        wait_until(lambda: len(server_workers(server.proc.pid)) == 2, 180)  # restarted
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+    wait_until(lambda: not any(pid_alive(pid) for pid in workers), 30)  # none outlives the server
