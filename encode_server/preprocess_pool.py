@@ -113,14 +113,15 @@ def export_tensors(tensors: dict[str, torch.Tensor], path: Path) -> SharedTensor
         return SharedTensors("", 0, tuple(entries))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        # fallocate, not ftruncate: a full tmpfs says ENOSPC here instead of SIGBUS at the first write.
-        os.posix_fallocate(fd, 0, offset)
-        with mmap.mmap(fd, offset) as block:
-            for (_, _, _, start), value in zip(entries, tensors.values()):
-                if value.numel():
-                    target = torch.frombuffer(block, dtype=value.dtype, count=value.numel(), offset=start)
-                    target.copy_(value.reshape(-1))
-                    del target  # the mapping cannot close while a view of it lives
+        # pwrite, not a mapping: the kernel copies without a page fault per 4 KiB, and a full tmpfs says
+        # ENOSPC here instead of SIGBUS at the first write to a mapped page.
+        for (_, _, _, start), value in zip(entries, tensors.values()):
+            if value.numel():
+                data = value.reshape(-1).view(torch.uint8).numpy()
+                written = os.pwrite(fd, data, start)
+                while written < data.nbytes:
+                    written += os.pwrite(fd, data[written:], start + written)
+        os.ftruncate(fd, offset)
     except BaseException:
         os.unlink(path)
         raise
@@ -137,8 +138,8 @@ def import_tensors(shared: SharedTensors) -> dict[str, torch.Tensor]:
     if not shared.path:
         return {key: torch.empty(shape, dtype=getattr(torch, dtype)) for key, dtype, shape, _ in shared.tensors}
     fd = os.open(shared.path, os.O_RDWR)
-    try:
-        block = mmap.mmap(fd, shared.size)
+    try:  # MAP_POPULATE: the pages are mapped in one call, not faulted in one by one by the reader
+        block = mmap.mmap(fd, shared.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
         os.unlink(shared.path)

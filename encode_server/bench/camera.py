@@ -109,8 +109,9 @@ def run_inprocess(adapter, images: list[bytes], batch_size: int, seconds: float)
         one_batch(batch)
         done += batch_size
     wall = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu_started
     return {"mode": "inprocess", "images": done, "wall_s": wall, "images_per_s": done / wall,
-            "cpu_fraction": (time.process_time() - cpu_started) / wall}
+            "cpu_fraction": cpu_s / wall, "cpu_s_per_image": cpu_s / max(1, done)}
 
 
 def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
@@ -137,7 +138,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
             cursor += batch_size
             return pool.submit("image", batch)
 
-        done, forward_s, started = 0, 0.0, time.perf_counter()
+        done, forward_s, started, cpu_started = 0, 0.0, time.perf_counter(), time.process_time()
         pending = next_batch()
         while time.perf_counter() - started < seconds:
             results = pending.result(timeout=300)
@@ -150,6 +151,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
             forward_s += time.perf_counter() - forward_started
             done += len(prepared)
         wall = time.perf_counter() - started
+        main_cpu_s = time.process_time() - cpu_started
         pending.result(timeout=300)
         after = pool.stats()
     finally:
@@ -157,8 +159,10 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
     utilisation = [{"worker": a["worker"], "items": a["items"] - b["items"],
                     "cpu_fraction": (a["cpu_s"] - b["cpu_s"]) / wall,
                     "busy_fraction": (a["busy_s"] - b["busy_s"]) / wall} for a, b in zip(after, before)]
+    workers_cpu_s = sum(worker["cpu_fraction"] for worker in utilisation) * wall
     return {"mode": "pool", "workers": workers, "images": done, "wall_s": wall, "images_per_s": done / wall,
-            "collate_and_forward_fraction": forward_s / wall, "pool_start_s": start_s,
+            "collate_and_forward_fraction": forward_s / wall, "main_cpu_fraction": main_cpu_s / wall,
+            "cpu_s_per_image": (main_cpu_s + workers_cpu_s) / max(1, done), "pool_start_s": start_s,
             "workers_utilisation": utilisation}
 
 
