@@ -48,7 +48,8 @@ class NativeWire:
 
     def __init__(self, adapter: EncoderAdapter) -> None:
         self._dtype = DTYPE_NAMES[adapter.dtype]
-        self._width = adapter.info.hidden_size
+        self._width = adapter.info.row_width
+        self._deepstack = adapter.info.deepstack
 
     def header(self, meta: PartMeta, part: EncodedPart | None, error: dict | None = None) -> Header:
         return Header(
@@ -56,7 +57,7 @@ class NativeWire:
             dtype=DTYPE_NAMES[part.embedding.dtype] if part is not None else self._dtype,
             shape=tuple(part.embedding.shape) if part is not None else (0, self._width),
             items=[layout.as_json() for layout in part.layouts] if part is not None else [],
-            error=error,
+            error=error, deepstack=self._deepstack,
         )
 
     def success_frames(self, meta: PartMeta, part: EncodedPart) -> Frames:

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .url_guard import BlockedAddressError, GuardedConnector, content_type_refusal, resolve_local_path
 
@@ -132,8 +132,13 @@ def decode_data_uri(uri: str, location: str) -> bytes:
 def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool = False) -> Image.Image:
     """An RGB image, refusing images larger than `max_pixels` from their header alone.
 
+    Decoded as `transformers.image_utils.load_image` does: turned upright by its EXIF orientation
+    (`ImageOps.exif_transpose`), then converted to RGB, so the grid is the one the prefill side sees.
+
     `header_only`: the image as opened (size and mode known, pixels not decoded yet), for when the
-    pixels are decoded elsewhere (the preprocessing pool's workers) and only the layout is needed here."""
+    pixels are decoded elsewhere (the preprocessing pool's workers) and only the layout is needed here;
+    an image whose EXIF orientation swaps its sides is still decoded, so that its size is the upright one.
+    """
     if not data:
         raise MediaError(location, "empty image data")
     try:
@@ -151,11 +156,11 @@ def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool 
         raise MediaError(
             location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}"
         )
-    if header_only:
+    if header_only and image.getexif().get(0x0112, 1) not in (5, 6, 7, 8):  # 0x0112: Orientation
         return image
     try:
         image.load()
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")
     except Exception as exc:
         raise MediaError(location, f"cannot decode image: {exc}") from None
 

@@ -170,7 +170,8 @@ class EncoderService:
         part = await self._encode_items(meta, request.mm_items, deadline)
         transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding)
         part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
-        return part, await encode_response(meta, part, request.return_embedding, self.metrics)
+        return part, await encode_response(meta, part, request.return_embedding, self.metrics,
+                                           self.adapter.info.deepstack)
 
     async def _encode_items(self, meta: PartMeta, raw_items: list[Any], deadline: float,
                             probe: bool = False) -> EncodedPart:
@@ -258,7 +259,8 @@ class EncoderService:
         return {
             "settings": self.settings.public_dict(),
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
-                      "hidden_size": info.hidden_size, "device": str(self.adapter.device),
+                      "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,
+                      "device": str(self.adapter.device),
                       "dtype": DTYPE_NAMES[self.adapter.dtype]},
             "ranks": self.group.ranks() if self.group else [{"rank": 0, "pid": os.getpid(), "role": "tp",
                                                              "alive": True}],

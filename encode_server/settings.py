@@ -52,8 +52,8 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("--model", str, "tiny-qwen2.5-vl",
-           "a built-in model name (tiny-qwen2.5-vl, tiny-internvl, tiny-qwen2-audio) or the path of a local "
-           "Hugging Face checkpoint folder (qwen2_5_vl, internvl or qwen2_audio)"),
+           "a built-in model name (such as tiny-qwen2.5-vl) or the path of a local Hugging Face checkpoint "
+           "folder whose model_type a family serves; `python -m processors.registry` lists both"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),
     Option("--device", str, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N"),

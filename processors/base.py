@@ -57,6 +57,14 @@ class ModelInfo:
     family: str
     modalities: tuple[str, ...]
     hidden_size: int
+    #: Deepstack feature blocks after the main features in each row (Qwen3-VL): rows are
+    #: `[tokens, hidden_size * (1 + deepstack)]`, `torch.cat([main] + deepstack, dim=-1)`.
+    deepstack: int = 0
+
+    @property
+    def row_width(self) -> int:
+        """The width of one embedding row: the main features and every deepstack block."""
+        return self.hidden_size * (1 + self.deepstack)
 
 
 class EncoderAdapter(ABC):

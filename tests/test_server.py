@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from processors.builtin import tiny_qwen25_vl
+from processors.qwen_vl import tiny_qwen25_vl
 
 from .helpers import ServerProcess, decode_embedding, image_b64, png_bytes
 
@@ -228,12 +228,3 @@ def test_health_answers_during_a_burst_and_performance_reports_it(default_server
     assert set(perf["latency_ms"]) == {"avg", "p50", "p99"}
     assert 0 < perf["batching_efficiency"] <= 1 and perf["avg_batch_size"] >= 1
     assert perf["queue_depth"] == 0
-
-
-def test_batching_off_runs_one_request_per_forward():
-    with ServerProcess("--enable-dynamic-batching", "false") as server:
-        bodies = [{"req_id": f"off-{i}", "modality": "image", "mm_items": [image_b64(56, 56, seed=i)]}
-                  for i in range(12)]
-        responses = asyncio.run(post_many(server.url, bodies))
-        assert all(r.status_code == 200 and r.json()["batch_size"] == 1 for r in responses)
-        assert server.metric("encoder_batch_size_count", modality="image") == 12

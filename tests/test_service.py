@@ -180,3 +180,40 @@ async def test_the_embedding_is_what_the_encoder_computes_for_the_item_alone(ada
     assert response["embedding_shape"] == list(expected.shape)
     assert torch.equal(rows.reshape(expected.shape), expected)
     assert response["items"] == [{"tokens": 4, "grid_thw": [1, 4, 4]}]
+
+
+async def test_batching_off_runs_one_request_per_forward(adapter):
+    service = EncoderService(Settings(enable_dynamic_batching=False), adapter)
+    await service.start()
+    try:
+        before = forwards(service)
+        responses = await asyncio.gather(*(service.encode(
+            {"req_id": f"off-{i}", "modality": "image", "mm_items": [image_b64(56, 56, seed=i)]}) for i in range(12)))
+    finally:
+        await service.stop()
+    assert all(response["batch_size"] == 1 for response in responses)
+    assert forwards(service) - before == 12
+
+
+async def test_deepstack_rows_are_announced_in_the_response_and_the_zmq_header():
+    from encode_server.receiver import EmbeddingReceiver
+
+    adapter = load_adapter("tiny-qwen3-vl", "cpu", "float32")
+    k = adapter.info.deepstack
+    assert k > 0
+    service = EncoderService(Settings(model="tiny-qwen3-vl"), adapter)
+    await service.start()
+    try:
+        with EmbeddingReceiver() as receiver:
+            response = await service.encode(body("deep", return_embedding=True, prefill_host="127.0.0.1",
+                                                 embedding_port=receiver.port))
+            received = await receiver.aget("deep", timeout=10)
+    finally:
+        await service.stop()
+    assert response["deepstack"] == k
+    assert response["embedding_shape"][1] == adapter.info.hidden_size * (1 + k)
+    rows = torch.frombuffer(bytearray(base64.b64decode(response["embedding"])), dtype=torch.float32)
+    assert torch.equal(received.tensor.flatten(), rows)
+    assert received.main.shape == (response["embedding_shape"][0], adapter.info.hidden_size)
+    assert len(received.deepstack) == k
+    assert torch.equal(received.deepstack[-1], received.tensor[:, -adapter.info.hidden_size:])
