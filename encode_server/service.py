@@ -74,6 +74,14 @@ def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: Me
         log.warning("--preprocess-workers is ignored with --preprocess-device %s: images are preprocessed on the "
                     "GPU in this process", settings.preprocess_device)
         return None
+    import pickle
+
+    try:
+        pickle.dumps(adapter.preprocessing_copy())
+    except Exception as exc:  # e.g. a family whose sizing rule is a local closure
+        log.warning("--preprocess-workers %d ignored: model family %s cannot be sent to worker processes (%s); "
+                    "preprocessing runs in-process", workers, adapter.info.family, exc)
+        return None
     return PreprocessPool(adapter, limits, workers, item_timeout_s=settings.req_timeout_s)
 
 
