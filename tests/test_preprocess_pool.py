@@ -408,3 +408,18 @@ def test_server_with_workers_fails_bad_items_alone_and_survives_a_killed_worker(
         wait_until(lambda: len(server_workers(server.proc.pid)) == 2, 180)  # restarted
         assert httpx.get(server.url + "/health", timeout=60).status_code == 200
     wait_until(lambda: not any(pid_alive(pid) for pid in workers), 30)  # none outlives the server
+
+
+def test_which_servers_get_a_pool(adapters):
+    from encode_server.service import make_preprocess_pool
+
+    qwen = adapters["tiny-qwen2.5-vl"]
+    assert make_preprocess_pool(Settings(), qwen, LIMITS) is None  # the default: in-process
+    made = make_preprocess_pool(Settings(preprocess_workers=3), qwen, LIMITS)
+    assert isinstance(made, PreprocessPool) and made.size == 3  # not started: no process yet
+    made.close()
+    assert make_preprocess_pool(Settings(preprocess_workers=2, tp_size=2), qwen, LIMITS) is None
+    unpicklable = Sabotaged(qwen.preprocessing_copy())
+    unpicklable.sizing = lambda: None  # a local closure, as some families hold
+    unpicklable.preprocessing_copy = lambda: unpicklable
+    assert make_preprocess_pool(Settings(preprocess_workers=2), unpicklable, LIMITS) is None
