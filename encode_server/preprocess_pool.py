@@ -375,6 +375,9 @@ class PreprocessPool:
         if self._conductor is not None and self._conductor is not threading.current_thread():
             self._conductor.join(timeout_s + 5.0)
         if self._conductor is None or not self._conductor.is_alive():
+            with self._inbox_lock:  # never started (or gone): nothing will take what is queued, so fail it
+                self._stopped = True
+            self._fail_everything(self.broken or "the preprocessing pool is shut down", 503)
             self._stop_workers(timeout_s)
         for fd in (self._wake_read, self._wake_write):
             try:

@@ -418,6 +418,7 @@ def test_which_servers_get_a_pool(adapters):
     made = make_preprocess_pool(Settings(preprocess_workers=3), qwen, LIMITS)
     assert isinstance(made, PreprocessPool) and made.size == 3  # not started: no process yet
     made.close()
+    assert made.submit("image", [b"x"]).result(timeout=5)[0].status == 503  # closed before it started: no hang
     assert make_preprocess_pool(Settings(preprocess_workers=2, tp_size=2), qwen, LIMITS) is None
     unpicklable = Sabotaged(qwen.preprocessing_copy())
     unpicklable.sizing = lambda: None  # a local closure, as some families hold
