@@ -156,6 +156,23 @@ def import_tensors(shared: SharedTensors) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def remove_stale_blocks() -> int:
+    """Remove the blocks of pools whose server process is gone (killed before it could clean up)."""
+    removed = 0
+    for path in SHM_DIR.glob("encode-preprocess-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except PermissionError:  # another user's live process
+            pass
+    return removed
+
+
 # --- the worker process ------------------------------------------------------------------------------
 
 def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
@@ -312,6 +329,7 @@ class PreprocessPool:
 
     def start(self) -> None:
         """Spawn the workers and wait (at most `start_timeout_s`) until every one is ready."""
+        remove_stale_blocks()
         self._started_at = time.perf_counter()
         for worker in self._workers:
             self._spawn(worker)

@@ -127,6 +127,24 @@ def test_tensors_travel_through_shared_memory_and_the_block_is_unlinked(tmp_path
     assert not path.exists()
 
 
+def test_blocks_of_a_dead_server_are_removed():
+    from encode_server.preprocess_pool import remove_stale_blocks
+
+    dead = multiprocessing.get_context("spawn").Process(target=os.getpid)
+    dead.start()
+    dead.join()
+    stale = SHM_DIR / f"encode-preprocess-{dead.pid}-abc-w0g1-0"
+    live = SHM_DIR / f"encode-preprocess-{os.getpid()}-abc-w0g1-0"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    try:
+        assert remove_stale_blocks() >= 1
+        assert not stale.exists() and live.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+
+
 def test_default_worker_count():
     assert default_preprocess_workers(1) == 0  # one core: in-process, as before
     assert default_preprocess_workers(2) == 2
