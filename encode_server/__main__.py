@@ -44,6 +44,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if group is not None:
             group.stop()
         sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
+    if settings.preprocess_device != "cpu":
+        from .gpu_preprocess import PreprocessDeviceError, use_device_preprocessing
+
+        try:
+            use_device_preprocessing(adapter, settings.preprocess_device)
+        except PreprocessDeviceError as exc:
+            if group is not None:
+                group.stop()
+            sys.exit(f"encode-server: {exc}")
     app = create_app(settings, adapter, group)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)

@@ -8,6 +8,12 @@ request, by the model's own grid (checked against the forward's row count), and 
 
 A batch that fails as a whole is retried one request at a time, so a request the processor or
 model chokes on fails alone and never its neighbours.
+
+With a `PreprocessPool` (`--preprocess-workers`), stage one is the pool instead: the batch's items
+(their raw bytes) are decoded and preprocessed one per worker process, in parallel, and `collate`d
+in order in the forward's thread just before the forward. An item a worker cannot prepare fails its
+own request (400 from the decoder or processor, 500 when its worker died twice on it); the other
+requests of the batch go on without it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from processors import EncoderAdapter, ItemLayout
+from processors import EncoderAdapter, ItemLayout, PreparedBatch
 
 from .metrics import ServerMetrics
 from .records import EncodedPart, EncodeError, EncodeJob, Timings
@@ -43,10 +49,12 @@ class EncoderEngine:
     `replicas` (a `parallel.ranks.DataParallelReplicas`, with `--dp-size` above 1) spreads the
     batches over whole copies of the encoder; without it every batch runs here."""
 
-    def __init__(self, adapter: EncoderAdapter, metrics: ServerMetrics, replicas: Any = None) -> None:
+    def __init__(self, adapter: EncoderAdapter, metrics: ServerMetrics, replicas: Any = None,
+                 preprocessor: Any = None) -> None:
         self.adapter = adapter
         self.metrics = metrics
         self.replicas = replicas
+        self.preprocessor = preprocessor  # a preprocess_pool.PreprocessPool, or None: preprocess in a thread here
         self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess")
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward")
 
@@ -68,7 +76,7 @@ class EncoderEngine:
             results.extend(await self.encode(modality, [job]))
         return results
 
-    async def _encode_fused(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart]:
+    async def _encode_fused(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
         if self.replicas is None:
             return await self._encode_here(modality, jobs)
         with self.replicas.lease() as replica:
@@ -77,7 +85,9 @@ class EncoderEngine:
             rows, layouts, elapsed = await self.replicas.run_remote(replica, modality, jobs)
             return self._parts(modality, jobs, layouts, rows, 0.0, elapsed, f"replica={replica}")
 
-    async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart]:
+    async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
+        if self.preprocessor is not None and all(len(job.raw_items) == len(job.layouts) for job in jobs):
+            return await self._encode_pooled(modality, jobs)
         loop = asyncio.get_running_loop()
         self.adapter.before_batch(modality, jobs)
         items = [item for job in jobs for item in job.items]
@@ -88,6 +98,43 @@ class EncoderEngine:
         rows, forward_s = await loop.run_in_executor(self._forward_pool, _timed, self.adapter.forward, prepared)
         self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
         return self._parts(modality, jobs, prepared.layouts, rows, preprocess_s, forward_s, "replica=0")
+
+    async def _encode_pooled(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
+        """Items prepared in the pool's processes; a job with an item that failed there fails alone."""
+        from .preprocess_pool import ItemFailure
+
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        raw = [item for job in jobs for item in job.raw_items]
+        locations = [f"mm_items[{index}]" for job in jobs for index in range(len(job.raw_items))]
+        prepared = await self.preprocessor.prepare(modality, raw, locations)
+        preprocess_s = time.perf_counter() - started
+        self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
+        results: list[EncodedPart | EncodeError | None] = [None] * len(jobs)
+        kept: list[int] = []
+        batches: list[PreparedBatch] = []
+        start = 0
+        for index, job in enumerate(jobs):
+            mine = prepared[start:start + len(job.raw_items)]
+            start += len(job.raw_items)
+            failure = next((item for item in mine if isinstance(item, ItemFailure)), None)
+            if failure is not None:
+                results[index] = EncodeError(failure.status, failure.message, job.req_id)
+            else:
+                kept.append(index)
+                batches.extend(mine)
+        if kept:
+            (layouts, rows), forward_s = await loop.run_in_executor(
+                self._forward_pool, _timed, self._collate_and_forward, batches)
+            parts = self._parts(modality, [jobs[index] for index in kept], layouts, rows, preprocess_s, forward_s,
+                                "replica=0 preprocess=pool")
+            for index, part in zip(kept, parts):
+                results[index] = part
+        return results  # type: ignore[return-value]
+
+    def _collate_and_forward(self, batches: list[PreparedBatch]) -> tuple[list[ItemLayout], torch.Tensor]:
+        prepared = self.adapter.collate(batches)
+        return prepared.layouts, self.adapter.forward(prepared)
 
     def _parts(self, modality: str, jobs: Sequence[EncodeJob], layouts: Sequence[ItemLayout], rows: torch.Tensor,
                preprocess_s: float, forward_s: float, where: str) -> list[EncodedPart]:

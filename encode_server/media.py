@@ -129,11 +129,15 @@ def decode_data_uri(uri: str, location: str) -> bytes:
     return urllib.parse.unquote_to_bytes(payload)
 
 
-def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
+def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool = False) -> Image.Image:
     """An RGB image, refusing images larger than `max_pixels` from their header alone.
 
     Decoded as `transformers.image_utils.load_image` does: turned upright by its EXIF orientation
     (`ImageOps.exif_transpose`), then converted to RGB, so the grid is the one the prefill side sees.
+
+    `header_only`: the image as opened (size and mode known, pixels not decoded yet), for when the
+    pixels are decoded elsewhere (the preprocessing pool's workers) and only the layout is needed here;
+    an image whose EXIF orientation swaps its sides is still decoded, so that its size is the upright one.
     """
     if not data:
         raise MediaError(location, "empty image data")
@@ -152,6 +156,8 @@ def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
         raise MediaError(
             location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}"
         )
+    if header_only and image.getexif().get(0x0112, 1) not in (5, 6, 7, 8):  # 0x0112: Orientation
+        return image
     try:
         image.load()
         return ImageOps.exif_transpose(image).convert("RGB")
@@ -257,18 +263,20 @@ class MediaLimits:
         )
 
 
-def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str) -> Any:
-    """One item's file bytes decoded for `modality` (an image, a waveform, or a video's frames)."""
+def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str, header_only: bool = False) -> Any:
+    """One item's file bytes decoded for `modality` (an image, a waveform, or a video's frames);
+    `header_only`: images are only opened (see `decode_image`)."""
     if modality == "image":
-        return decode_image(data, limits.max_image_pixels, location)
+        return decode_image(data, limits.max_image_pixels, location, header_only)
     if modality == "audio":
         return decode_audio(data, limits.audio_sample_rate, limits.max_audio_seconds, location)
     return decode_video(data, limits.video_fps, limits.max_video_frames, limits.max_image_pixels, location)
 
 
-def decode_frames(frames: list[bytes], limits: MediaLimits, location: str) -> list[Image.Image]:
+def decode_frames(frames: list[bytes], limits: MediaLimits, location: str,
+                  header_only: bool = False) -> list[Image.Image]:
     """A video given as a list of image files."""
-    return [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]")
+    return [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]", header_only)
             for index, data in enumerate(frames)]
 
 
@@ -282,11 +290,31 @@ class LoadedItem:
     raw: bytes | list[bytes] = b""
 
 
+#: Inline images (base64 or data URIs) up to this many characters are decoded on the event loop: for a
+#: small image the hop to a decode thread and back costs about as much as decoding it (a 56x56 PNG:
+#: ~0.1 ms), and at high concurrency the hops contend for the GIL with the loop. Up to 32 KiB of
+#: base64 is at most ~24 KiB of file, and only images of at most INLINE_DECODE_PIXELS (by their header)
+#: are decoded there: a small file of a large flat image still goes to a thread.
+INLINE_DECODE_CHARS = 32 * 1024
+INLINE_DECODE_PIXELS = 256 * 256
+
+
+def _header_pixels(data: bytes) -> int:
+    """Width times height from an image file's header (0 when unreadable: decoding it fails fast)."""
+    try:
+        width, height = Image.open(io.BytesIO(data)).size
+    except Exception:
+        return 0
+    return width * height
+
+
 class MediaLoader:
     """Fetches and decodes items; decoding runs in `pool`, fetching on one shared aiohttp session."""
 
-    def __init__(self, pool: Executor, limits: MediaLimits, fetch_timeout_s: float = 30.0) -> None:
+    def __init__(self, pool: Executor, limits: MediaLimits, fetch_timeout_s: float = 30.0,
+                 header_only_images: bool = False) -> None:
         self._pool = pool
+        self.header_only_images = header_only_images  # images opened, not decoded: a preprocessing pool decodes
         self.limits = limits
         self._max_fetch_bytes = limits.max_fetch_bytes
         self._timeout = aiohttp.ClientTimeout(total=fetch_timeout_s, sock_connect=10.0)
@@ -312,6 +340,8 @@ class MediaLoader:
     async def load(self, modality: str, sources: Sequence[MediaSource],
                    describe: Callable[[str, Any], Any]) -> list[LoadedItem]:
         """Decode every item concurrently; raise the first item's error in item order."""
+        if len(sources) == 1:  # most requests: no task per item
+            return [await self._load_one(modality, sources[0], describe)]
         results = await asyncio.gather(
             *(self._load_one(modality, source, describe) for source in sources), return_exceptions=True
         )
@@ -332,6 +362,10 @@ class MediaLoader:
                 self._pool, self._decode_frames, frame_bytes, source, modality, describe
             )
         raw = await self._raw_bytes(source, modality)
+        if modality == "image" and source.kind in ("base64", "data_uri") and len(source.value) <= INLINE_DECODE_CHARS:
+            raw = self._bytes_of(raw)
+            if _header_pixels(raw) <= INLINE_DECODE_PIXELS:
+                return self._decode(raw, source, modality, describe)  # small: cheaper here than a hop to a thread
         return await loop.run_in_executor(self._pool, self._decode, raw, source, modality, describe)
 
     async def _raw_bytes(self, source: MediaSource, modality: str) -> bytes | MediaSource:
@@ -399,13 +433,13 @@ class MediaLoader:
     def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,
                 describe: Callable[[str, Any], Any]) -> LoadedItem:
         data = self._bytes_of(raw)
-        decoded = decode_bytes(modality, data, self.limits, source.location)
+        decoded = decode_bytes(modality, data, self.limits, source.location, self.header_only_images)
         return LoadedItem(decoded, _describe(describe, modality, decoded, source.location), data)
 
     def _decode_frames(self, frame_bytes: list[bytes | MediaSource], source: MediaSource, modality: str,
                        describe: Callable[[str, Any], Any]) -> LoadedItem:
         datas = [self._bytes_of(raw) for raw in frame_bytes]
-        frames = decode_frames(datas, self.limits, source.location)
+        frames = decode_frames(datas, self.limits, source.location, self.header_only_images)
         return LoadedItem(frames, _describe(describe, modality, frames, source.location), datas)
 
 

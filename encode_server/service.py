@@ -71,6 +71,36 @@ def batch_policy(settings: Settings) -> BatchPolicy:
     )
 
 
+def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: MediaLimits):
+    """The `--preprocess-workers` pool (not started), or None: preprocessing then runs in a thread here.
+
+    Tensor-parallel servers keep preprocessing in-process: every rank prepares the same whole batch
+    and agrees on its layout, which a pool that drops a bad item alone would break."""
+    from .preprocess_pool import PreprocessPool, default_preprocess_workers
+
+    workers = settings.preprocess_workers
+    if workers < 0:
+        workers = default_preprocess_workers()
+    if workers == 0:
+        return None
+    if settings.tp_size > 1:
+        log.warning("--preprocess-workers is ignored with --tp-size > 1: every rank preprocesses in-process")
+        return None
+    if settings.preprocess_device != "cpu":
+        log.warning("--preprocess-workers is ignored with --preprocess-device %s: images are preprocessed on the "
+                    "GPU in this process", settings.preprocess_device)
+        return None
+    import pickle
+
+    try:
+        pickle.dumps(adapter.preprocessing_copy())
+    except Exception as exc:  # e.g. a family whose sizing rule is a local closure
+        log.warning("--preprocess-workers %d ignored: model family %s cannot be sent to worker processes (%s); "
+                    "preprocessing runs in-process", workers, adapter.info.family, exc)
+        return None
+    return PreprocessPool(adapter, limits, workers, item_timeout_s=settings.req_timeout_s)
+
+
 class EncoderService:
     """Everything one server process needs to answer `/encode`. Must be built on the running loop."""
 
@@ -86,11 +116,15 @@ class EncoderService:
                                    evict=lambda priority: self.scheduler.evict_for(priority))
         # Decoding is ordered by priority too, so an interactive request does not wait behind a flood's decodes.
         self._media_pool = PriorityThreadPool(settings.media_workers, thread_name_prefix="media")
-        self.media = MediaLoader(self._media_pool, MediaLimits.from_settings(settings, adapter))
+        limits = MediaLimits.from_settings(settings, adapter)
+        self.preprocess_pool = make_preprocess_pool(settings, adapter, limits)
+        # With a pool, images are only opened here (header: size and pixel limit, for the layout); the
+        # pool's workers decode them in full.
+        self.media = MediaLoader(self._media_pool, limits, header_only_images=self.preprocess_pool is not None)
         replicas = None
         if group is not None and group.role == "dp":
             replicas = DataParallelReplicas(group, asyncio.get_running_loop())
-        self.engine = EncoderEngine(adapter, self.metrics, replicas)
+        self.engine = EncoderEngine(adapter, self.metrics, replicas, self.preprocess_pool)
         self.scheduler = EncoderScheduler(self.engine, batch_policy(settings), self.metrics,
                                           max_in_flight=2 * settings.dp_size, clock=self.clock)
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
@@ -109,6 +143,8 @@ class EncoderService:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.media.warmup, self.adapter.info.modalities)
+        if self.preprocess_pool is not None:
+            await asyncio.to_thread(self.preprocess_pool.start)
         self.delivery.start()
         if self.group is not None:
             loop = asyncio.get_running_loop()
@@ -130,6 +166,8 @@ class EncoderService:
         if self.group is not None:
             await asyncio.to_thread(self.group.stop)
         self.engine.close()
+        if self.preprocess_pool is not None:
+            await asyncio.to_thread(self.preprocess_pool.close)
         self._media_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- one request -----------------------------------------------------------------------------
@@ -233,6 +271,8 @@ class EncoderService:
             verdict = (False, "draining: the server is shutting down")
         elif not self.scheduler.running:
             verdict = (False, "the scheduler is not running")
+        elif self.preprocess_pool is not None and self.preprocess_pool.broken:
+            verdict = (False, self.preprocess_pool.broken)
         else:
             verdict = self.health.verdict()
         self.metrics.healthy.set(1 if verdict[0] else 0)

@@ -138,6 +138,12 @@ OPTIONS: tuple[Option, ...] = (
            "the URL others reach this encoder at, for --register-with (default: http://HOST:PORT)"),
     Option("--max-priority", int, 9,
            "highest /encode 'priority' accepted (0 is the default and lowest; outside 0..this: 400)"),
+    Option("--preprocess-workers", int, 0,
+           "processes that decode and preprocess images (each item on its own, results in shared memory); "
+           "0: in the server process; -1: every core but one, at least 2 (0 on one core); not with --tp-size > 1"),
+    Option("--preprocess-device", str, "cpu",
+           "where image preprocessing runs: cpu (PIL) or cuda (transformers' fast image processors on the "
+           "model's GPU; needs a CUDA device and torchvision)", choices=("cpu", "cuda")),
 )
 
 
@@ -184,6 +190,8 @@ class Settings:
     register_with: str | None = DEFAULTS["register_with"]
     advertise_url: str | None = DEFAULTS["advertise_url"]
     max_priority: int = DEFAULTS["max_priority"]
+    preprocess_workers: int = DEFAULTS["preprocess_workers"]
+    preprocess_device: str = DEFAULTS["preprocess_device"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -202,6 +210,11 @@ class Settings:
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.preprocess_workers < -1:
+            raise ValueError(f"--preprocess-workers must be -1 (auto), 0 or more, got {self.preprocess_workers}")
+        if self.preprocess_device != "cpu" and (self.tp_size > 1 or self.dp_size > 1):
+            raise ValueError("--preprocess-device cuda is for single-process servers: with --tp-size or --dp-size "
+                             "above 1 every rank must preprocess alike")
         if self.tp_size > 1 and self.dp_size > 1:
             raise ValueError("--tp-size and --dp-size cannot both be above 1 in one server: run one server per "
                              "tensor-parallel group and balance across them")

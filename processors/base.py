@@ -9,6 +9,7 @@ queues or time: the scheduler and engine only call these methods.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,43 @@ class EncoderAdapter(ABC):
     @abstractmethod
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
         """One processor call for all items of a batch (CPU work, runs in a thread)."""
+
+    def collate(self, batches: Sequence[PreparedBatch]) -> PreparedBatch:
+        """Fuse per-item `preprocess` results into the batch one `preprocess` over all items would give.
+
+        The default concatenates every input tensor along dim 0 (pixel rows, tiles, clips, grids) and keeps
+        the layouts in order; `extras` are merged, later batches winning. A family whose processor pads
+        items to the batch's longest (so that one item's inputs depend on its neighbours) overrides this.
+        One batch comes back as it is, without a copy.
+        """
+        if not batches:
+            raise ValueError("collate needs at least one prepared batch")
+        if len(batches) == 1:
+            return batches[0]
+        modality, keys = batches[0].modality, list(batches[0].inputs)
+        for batch in batches[1:]:
+            if batch.modality != modality or list(batch.inputs) != keys:
+                raise ValueError(f"cannot collate a {batch.modality} batch with inputs {list(batch.inputs)} into a "
+                                 f"{modality} batch with inputs {keys}")
+        inputs = {key: torch.cat([batch.inputs[key] for batch in batches]) for key in keys}
+        extras: dict[str, Any] = {}
+        for batch in batches:
+            extras.update(batch.extras)
+        return PreparedBatch(modality=modality, inputs=inputs,
+                             layouts=[layout for batch in batches for layout in batch.layouts], extras=extras)
+
+    def preprocessing_copy(self) -> EncoderAdapter:
+        """A picklable copy that can `item_layout` and `preprocess` but holds none of the model.
+
+        Preprocessing processes get this copy (`encode_server/preprocess_pool.py`). The default is a shallow
+        copy with every `torch.nn.Module` attribute dropped; an adapter that keeps other unpicklable state
+        (sockets, process groups, threads) overrides it.
+        """
+        clone = copy.copy(self)
+        for name, value in list(vars(clone).items()):
+            if isinstance(value, torch.nn.Module):
+                delattr(clone, name)
+        return clone
 
     @abstractmethod
     def forward(self, batch: PreparedBatch) -> torch.Tensor:

@@ -1,0 +1,220 @@
+"""The "camera" scenario: camera-sized JPEGs under Qwen2.5-VL's real pixel limits, on a tiny tower.
+
+Preprocessing dominates here (a 1280x720 image becomes 4,784 patches: decode, resize, normalise and
+patchify cost far more than the tiny tower's forward), so this measures how well the CPU path
+spreads over the cores. Three closed loops over the same images, batches of `--batch-size`:
+
+- `inprocess`: decode + processor + forward in this one process on one core (affinity set to one
+  CPU, one torch thread): the ceiling of the old design, where one thread preprocessed every batch;
+- `pool`: a `PreprocessPool` of `--workers` processes decodes and preprocesses (each item on its own),
+  `collate` + forward in this process, the next batch preprocessing while this one runs the forward;
+  prints each worker's utilisation (CPU seconds and busy seconds over the loop's wall time);
+- `service`: the HTTP server on all cores (`--preprocess-workers`), closed loop at `--concurrency`.
+
+    python -m encode_server.bench.camera --mode inprocess,pool --seconds 20
+    flock /work/signals/bench.lock python -m encode_server.bench.camera --mode pool --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+#: Qwen2.5-VL's own pixel limits (preprocessor_config.json of the published checkpoints).
+QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS = 3136, 12845056
+CAMERA_SIZES = ((1280, 720), (1920, 1080))
+DEFAULT_CHECKPOINT = Path(tempfile.gettempdir()) / "encode-bench-camera-qwen2.5-vl-d1w32"
+
+
+def camera_checkpoint(folder: Path = DEFAULT_CHECKPOINT) -> Path:
+    """A tiny full Qwen2.5-VL checkpoint (fixed seed) with the real processor limits, saved once to `folder`.
+
+    Its tower (one windowed block, width 32) costs a small fraction of a camera image's preprocessing
+    on a CPU, as a real tower's forward on a GPU would; the server and the loops here load the same
+    folder, so they run the same weights."""
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[]),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(staging)
+    Qwen2VLImageProcessorPil(min_pixels=QWEN25_MIN_PIXELS, max_pixels=QWEN25_MAX_PIXELS).save_pretrained(staging)
+    os.replace(staging, folder)
+    return folder
+
+
+def camera_tower(folder: Path = DEFAULT_CHECKPOINT):
+    from processors import load_adapter
+
+    return load_adapter(str(camera_checkpoint(folder)), "cpu", "float32")
+
+
+def camera_jpegs(count: int, seed: int = 0) -> list[bytes]:
+    """Camera-like JPEGs (smooth gradients, some noise; quality 90), alternating 1280x720 and 1920x1080."""
+    rng = np.random.default_rng(seed)
+    images = []
+    for index in range(count):
+        width, height = CAMERA_SIZES[index % len(CAMERA_SIZES)]
+        x = np.linspace(0, 1, width)[None, :, None]
+        y = np.linspace(0, 1, height)[:, None, None]
+        tint = rng.uniform(0, 255, (1, 1, 3))
+        pixels = (tint * x + (255 - tint) * y + rng.normal(0, 12, (height, width, 3))).clip(0, 255)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels.astype(np.uint8)).save(buffer, "JPEG", quality=90)
+        images.append(buffer.getvalue())
+    return images
+
+
+def run_inprocess(adapter, images: list[bytes], batch_size: int, seconds: float) -> dict:
+    """Decode + processor + forward, one batch after another, on one core."""
+    from encode_server.media import MediaLimits, decode_bytes
+    from encode_server.settings import Settings
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    torch.set_num_threads(1)
+    limits = MediaLimits.from_settings(Settings(), adapter)
+
+    def one_batch(batch: list[bytes]) -> None:
+        decoded = [decode_bytes("image", data, limits, "x") for data in batch]
+        adapter.forward(adapter.preprocess("image", decoded))
+
+    one_batch(images[:1])  # warm-up
+    done, started, cpu_started = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - started < seconds:
+        batch = [images[(done + i) % len(images)] for i in range(batch_size)]
+        one_batch(batch)
+        done += batch_size
+    wall = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu_started
+    return {"mode": "inprocess", "images": done, "wall_s": wall, "images_per_s": done / wall,
+            "cpu_fraction": cpu_s / wall, "cpu_s_per_image": cpu_s / max(1, done)}
+
+
+def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
+    """The pool prepares batch k+1 while this process collates and forwards batch k."""
+    from encode_server.media import MediaLimits
+    from encode_server.preprocess_pool import PreprocessPool
+    from encode_server.settings import Settings
+    from processors import PreparedBatch
+
+    torch.set_num_threads(1)
+    limits = MediaLimits.from_settings(Settings(), adapter)
+    pool = PreprocessPool(adapter, limits, workers)
+    started_pool = time.perf_counter()
+    pool.start()
+    start_s = time.perf_counter() - started_pool
+    try:
+        pool.submit("image", images[:workers]).result()  # warm-up
+        before = pool.stats()
+        cursor = 0
+
+        def next_batch():
+            nonlocal cursor
+            batch = [images[(cursor + i) % len(images)] for i in range(batch_size)]
+            cursor += batch_size
+            return pool.submit("image", batch)
+
+        done, forward_s, started, cpu_started = 0, 0.0, time.perf_counter(), time.process_time()
+        pending = next_batch()
+        while time.perf_counter() - started < seconds:
+            results = pending.result(timeout=300)
+            pending = next_batch()
+            prepared = [r for r in results if isinstance(r, PreparedBatch)]
+            if len(prepared) != len(results):
+                raise RuntimeError(f"items failed: {[r for r in results if not isinstance(r, PreparedBatch)]}")
+            forward_started = time.perf_counter()
+            adapter.forward(adapter.collate(prepared))
+            forward_s += time.perf_counter() - forward_started
+            done += len(prepared)
+        wall = time.perf_counter() - started
+        main_cpu_s = time.process_time() - cpu_started
+        pending.result(timeout=300)
+        after = pool.stats()
+    finally:
+        pool.close()
+    utilisation = [{"worker": a["worker"], "items": a["items"] - b["items"],
+                    "cpu_fraction": (a["cpu_s"] - b["cpu_s"]) / wall,
+                    "busy_fraction": (a["busy_s"] - b["busy_s"]) / wall} for a, b in zip(after, before)]
+    workers_cpu_s = sum(worker["cpu_fraction"] for worker in utilisation) * wall
+    return {"mode": "pool", "workers": workers, "images": done, "wall_s": wall, "images_per_s": done / wall,
+            "collate_and_forward_fraction": forward_s / wall, "main_cpu_fraction": main_cpu_s / wall,
+            "cpu_s_per_image": (main_cpu_s + workers_cpu_s) / max(1, done), "pool_start_s": start_s,
+            "workers_utilisation": utilisation}
+
+
+def run_service(images: list[bytes], workers: int, concurrency: int, requests: int, extra: list[str]) -> dict:
+    """The HTTP server with `--preprocess-workers`, closed loop, one image per request."""
+    from .launcher import ServerProcess
+    from .load import closed_loop
+
+    payloads = [base64.b64encode(data).decode() for data in images]
+    flags = ["--model", str(camera_checkpoint()), "--preprocess-workers", str(workers), *extra]
+    with ServerProcess(*flags, startup_timeout=600) as server:
+        result = asyncio.run(closed_loop(server.url, f"service-w{workers}", concurrency, requests, "image", payloads))
+    return {"mode": "service", "workers": workers, **result.as_dict()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="inprocess,pool", help="comma-separated: inprocess, pool, service")
+    parser.add_argument("--workers", type=int, default=0, help="pool workers (0: every core)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--images", type=int, default=8, help="distinct images, reused round robin")
+    parser.add_argument("--concurrency", type=int, default=16, help="service mode: closed-loop clients")
+    parser.add_argument("--requests", type=int, default=96, help="service mode: requests")
+    parser.add_argument("--out", help="append the results as JSON lines to this file")
+    args = parser.parse_args(argv)
+    workers = args.workers or len(os.sched_getaffinity(0))
+    images = camera_jpegs(args.images)
+    results = []
+    for mode in args.mode.split(","):
+        if mode == "service":
+            result = run_service(images, workers, args.concurrency, args.requests, [])
+        else:
+            adapter = camera_tower()
+            if mode == "inprocess":
+                result = run_inprocess(adapter, images, args.batch_size, args.seconds)
+            else:
+                result = run_pool(adapter, images, args.batch_size, args.seconds, workers)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    by_mode = {r["mode"]: r for r in results}
+    if "inprocess" in by_mode:
+        base = by_mode["inprocess"]["images_per_s"]
+        for mode in ("pool", "service"):
+            if mode in by_mode:
+                rate = by_mode[mode].get("images_per_s") or by_mode[mode].get("throughput_rps")
+                print(f"{mode} / inprocess on one core: {rate:.2f} / {base:.2f} = {rate / base:.2f}x", flush=True)
+    if args.out:
+        with open(args.out, "a") as sink:
+            for result in results:
+                sink.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

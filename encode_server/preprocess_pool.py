@@ -1,0 +1,652 @@
+"""Decode and preprocess media items in worker processes, so that preprocessing runs on every core.
+
+`PreprocessPool` starts `workers` processes with `spawn`, each holding the adapter's
+`preprocessing_copy()` (no model) and one torch thread. A task is one item: its raw file bytes (a
+list of image files for a video given as frames) and its modality; the worker decodes it with the
+functions and limits of `encode_server/media.py`, checks its layout (`item_layout`) and runs the
+family's `preprocess` on that item alone. `collate` then fuses a batch's per-item results in order
+into what one `preprocess` over the batch would give.
+
+Pixels never go through pickle: the worker writes the item's input tensors into one POSIX
+shared-memory block (a file in /dev/shm), and sends only its name, the tensors' dtypes, shapes and
+offsets, and the layouts. The pool maps the block, unlinks its name at once, and hands out tensors
+that are views of the mapping; the memory is freed when the last view is (the forward reads them
+directly, or `collate` copies them once into the batch's tensors).
+
+One background thread, the conductor, owns the workers: it gives each idle worker the next task (one
+task per worker at a time, so an item goes to whichever worker is free first and a crash is
+attributed to exactly one item), receives results, and watches the processes' sentinels. An item the
+worker cannot use fails alone (`ItemFailure`: 400 with the media or processor's message). A worker
+that dies is restarted, and the item it held is tried once more on the next free worker; a second
+crash fails that item with a 500 naming the signal. A worker holding one item longer than
+`item_timeout_s` is killed and its item failed. Every wait is bounded: callers get an answer for
+every item even when workers keep dying (after `max_start_failures` crashes at start-up in a row the
+pool gives up and fails what it holds).
+
+    pool = PreprocessPool(adapter, MediaLimits.from_settings(settings, adapter), workers=4)
+    pool.start()                                   # blocks until every worker is ready
+    results = await pool.prepare("image", [jpeg_bytes, png_bytes])   # PreparedBatch | ItemFailure
+    batch = adapter.collate([r for r in results if isinstance(r, PreparedBatch)])
+    pool.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from processors import EncoderAdapter, PreparedBatch
+
+from .media import MediaLimits
+
+log = logging.getLogger("encode_server.preprocess_pool")
+
+#: Where shared-memory blocks live: tmpfs on Linux (what `shm_open` uses), else the temp folder.
+SHM_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+_ALIGN = 64  # each tensor of a block starts on a cache line
+
+
+def default_preprocess_workers(cores: int | None = None) -> int:
+    """The default `--preprocess-workers`: every core this process may run on but one, at least two.
+
+    The spare core is for the event loop and the thread that drives the forward (on a GPU, launching
+    kernels; on a CPU, torch's own threads share it). With two cores both go to workers anyway: camera
+    images cost tens of milliseconds of preprocessing each against well under one of loop work, so a
+    worker per core beats keeping one core for a mostly idle loop. One core: 0 (in-process, as before).
+    """
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+    return 0 if cores < 2 else max(2, cores - 1)
+
+
+@dataclass(frozen=True)
+class ItemFailure:
+    """An item the pool could not prepare: the HTTP status its request gets and why, naming the item."""
+
+    status: int  # 400: the item itself (undecodable, too small, ...); 500: the pool (a crash, a timeout)
+    message: str
+
+
+class PoolError(RuntimeError):
+    """The pool could not start, or is closed."""
+
+
+# --- shared memory ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SharedTensors:
+    """Where an item's tensors lie in one shared-memory block: `(key, dtype, shape, offset)` each."""
+
+    path: str  # None-like "" when every tensor is empty (no block was made)
+    size: int
+    tensors: tuple[tuple[str, str, tuple[int, ...], int], ...]
+
+
+def export_tensors(tensors: dict[str, torch.Tensor], path: Path) -> SharedTensors:
+    """Copy CPU tensors into a new shared-memory block at `path` (the receiver unlinks it)."""
+    entries, offset = [], 0
+    tensors = {key: value.detach().contiguous() for key, value in tensors.items()}
+    for key, value in tensors.items():
+        entries.append((key, str(value.dtype).removeprefix("torch."), tuple(value.shape), offset))
+        offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
+    if offset == 0:
+        return SharedTensors("", 0, tuple(entries))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # pwrite, not a mapping: the kernel copies without a page fault per 4 KiB, and a full tmpfs says
+        # ENOSPC here instead of SIGBUS at the first write to a mapped page.
+        for (_, _, _, start), value in zip(entries, tensors.values()):
+            if value.numel():
+                data = value.reshape(-1).view(torch.uint8).numpy()
+                written = os.pwrite(fd, data, start)
+                while written < data.nbytes:
+                    written += os.pwrite(fd, data[written:], start + written)
+        os.ftruncate(fd, offset)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return SharedTensors(str(path), offset, tuple(entries))
+
+
+def import_tensors(shared: SharedTensors) -> dict[str, torch.Tensor]:
+    """Map a block written by `export_tensors`, unlink its name, and return views of it.
+
+    The mapping stays alive as long as any returned tensor does (each view holds it), then is freed.
+    """
+    if not shared.path:
+        return {key: torch.empty(shape, dtype=getattr(torch, dtype)) for key, dtype, shape, _ in shared.tensors}
+    fd = os.open(shared.path, os.O_RDWR)
+    try:  # MAP_POPULATE: the pages are mapped in one call, not faulted in one by one by the reader
+        block = mmap.mmap(fd, shared.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+        os.unlink(shared.path)
+    tensors = {}
+    for key, dtype, shape, offset in shared.tensors:
+        torch_dtype = getattr(torch, dtype)
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count == 0:
+            tensors[key] = torch.empty(shape, dtype=torch_dtype)
+        else:
+            tensors[key] = torch.frombuffer(block, dtype=torch_dtype, count=count, offset=offset).view(shape)
+    return tensors
+
+
+def remove_stale_blocks() -> int:
+    """Remove the blocks of pools whose server process is gone (killed before it could clean up)."""
+    removed = 0
+    for path in SHM_DIR.glob("encode-preprocess-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except PermissionError:  # another user's live process
+            pass
+    return removed
+
+
+# --- the worker process ------------------------------------------------------------------------------
+
+def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
+                 location: str) -> PreparedBatch:
+    """Decode one item's bytes and run the family's `preprocess` on it alone (what a worker does)."""
+    from processors import ItemError
+
+    from .media import MediaError, decode_bytes, decode_frames
+
+    if isinstance(raw, list):
+        item = decode_frames(raw, limits, location)
+    else:
+        item = decode_bytes(modality, raw, limits, location)
+    try:
+        layout = adapter.item_layout(modality, item)
+    except ItemError as exc:
+        raise MediaError(location, str(exc)) from None
+    prepared = adapter.preprocess(modality, [item])
+    if prepared.layouts != [layout]:
+        raise RuntimeError(f"{location}: the processor's grid {prepared.layouts} differs from the item's layout "
+                           f"{layout}")
+    return prepared
+
+
+def _worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
+                 threads: int) -> None:
+    """A worker process: warm up, say ready, then prepare one task at a time until told to stop."""
+    from .media import MediaError
+    from .parallel.worker import die_with_parent
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on SIGINT; it stops workers itself
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s preprocess-worker{index}: "
+                                                      "%(message)s")
+    try:
+        modality, sample = adapter.sample_encoded()
+        prepare_item(adapter, limits, modality, sample, "warm-up")
+    except Exception as exc:
+        results.send(("broken", os.getpid(), f"{type(exc).__name__}: {exc}", None))
+        return
+    results.send(("ready", os.getpid(), "", None))
+    inline_fallback = False
+    for sequence in itertools.count():
+        try:
+            task = tasks.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        task_id, modality, raw, location = task
+        started, cpu_started = time.perf_counter(), time.process_time()
+        try:
+            prepared = prepare_item(adapter, limits, modality, raw, location)
+            inputs: Any
+            try:
+                inputs = export_tensors(prepared.inputs, Path(f"{block_prefix}-{sequence}"))
+            except OSError as exc:  # /dev/shm full or missing: correct but slower, through the pipe
+                if not inline_fallback:
+                    log.warning("shared memory unavailable (%s): sending tensors through the pipe", exc)
+                    inline_fallback = True
+                inputs = prepared.inputs
+            timings = (time.perf_counter() - started, time.process_time() - cpu_started)
+            message = ("done", task_id, (inputs, prepared.layouts, prepared.extras), timings)
+        except (MediaError, ValueError) as exc:  # processors.ItemError is a ValueError
+            message = ("failed", task_id, (400, str(exc)), None)
+        except Exception as exc:
+            message = ("failed", task_id, (500, f"{location}: preprocessing failed: {type(exc).__name__}: {exc}"),
+                       None)
+        try:
+            results.send(message)
+        except (BrokenPipeError, OSError):
+            return
+
+
+# --- the pool ----------------------------------------------------------------------------------------
+
+@dataclass
+class _Batch:
+    """One `submit` call: its future and a slot per item."""
+
+    future: Future
+    modality: str
+    results: list[Any]
+    remaining: int
+
+
+@dataclass
+class _Task:
+    """One item of a batch, on its way through a worker."""
+
+    batch: _Batch
+    index: int
+    raw: bytes | list[bytes]
+    location: str
+    attempts: int = 0
+    task_id: int = 0
+
+
+@dataclass
+class _Worker:
+    """The conductor's record of one worker slot (the process in it changes on restarts)."""
+
+    index: int
+    process: Any = None
+    tasks: Any = None  # main's sending end
+    results: Any = None  # main's receiving end
+    ready: bool = False
+    task: _Task | None = None
+    task_started: float = 0.0
+    start_failures: int = 0
+    restarts: int = 0
+    busy_s: float = 0.0  # wall seconds spent on items, as the worker measured them
+    cpu_s: float = 0.0  # CPU seconds spent on items
+    items: int = 0
+    generation: int = 0
+    pending_restart_at: float | None = None
+    gave_up: bool = False  # failed to start `max_start_failures` times in a row: never restarted
+    exit_reasons: list[str] = field(default_factory=list)
+
+
+class PreprocessPool:
+    """`workers` spawned processes that decode and preprocess items; see the module docstring."""
+
+    def __init__(self, adapter: EncoderAdapter, limits: MediaLimits, workers: int, *, threads_per_worker: int = 1,
+                 item_timeout_s: float = 120.0, start_timeout_s: float = 180.0, max_start_failures: int = 3) -> None:
+        if workers < 1:
+            raise ValueError(f"a preprocessing pool needs at least one worker, got {workers}")
+        self.adapter = adapter
+        self.limits = limits
+        self.size = workers
+        self.threads_per_worker = threads_per_worker
+        self.item_timeout_s = item_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.max_start_failures = max_start_failures
+        self.broken: str | None = None  # why the pool can no longer prepare anything
+        self._context = multiprocessing.get_context("spawn")
+        self._copy = adapter.preprocessing_copy()
+        self._block_prefix = str(SHM_DIR / f"encode-preprocess-{os.getpid()}-{id(self):x}")
+        self._workers = [_Worker(index) for index in range(workers)]
+        self._inbox: deque[tuple[_Batch, list[_Task]]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._stopped = False  # set once, by the conductor as it exits; submit() then fails at once
+        self._queue: deque[_Task] = deque()
+        self._task_ids = itertools.count()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        self._closing = False
+        self._all_ready = threading.Event()
+        self._conductor: threading.Thread | None = None
+        self._started_at = 0.0
+
+    # --- public API ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the workers and wait (at most `start_timeout_s`) until every one is ready."""
+        remove_stale_blocks()
+        self._started_at = time.perf_counter()
+        for worker in self._workers:
+            self._spawn(worker)
+        self._conductor = threading.Thread(target=self._conduct, name="preprocess-conductor", daemon=True)
+        self._conductor.start()
+        if not self._all_ready.wait(self.start_timeout_s):
+            self.close()
+            raise PoolError(f"preprocessing workers were not ready within {self.start_timeout_s:g} s")
+        if self.broken:
+            message = self.broken
+            self.close()
+            raise PoolError(message)
+
+    def submit(self, modality: str, items: Sequence[bytes | list[bytes]],
+               locations: Sequence[str] | None = None) -> Future:
+        """A future of one `PreparedBatch` (a single item's) or `ItemFailure` per item, in order."""
+        future: Future = Future()  # left pending (not running), so that cancelling it drops its items
+        if not items:
+            future.set_result([])
+            return future
+        batch = _Batch(future, modality, [None] * len(items), len(items))
+        locations = locations or [f"mm_items[{index}]" for index in range(len(items))]
+        tasks = [_Task(batch, index, raw, location) for index, (raw, location) in enumerate(zip(items, locations))]
+        with self._inbox_lock:  # the conductor's last drain takes the same lock: nothing is left behind
+            if not self._stopped:
+                self._inbox.append((batch, tasks))
+                self._wake()
+                return future
+        future.set_result([ItemFailure(503, self.broken or "the preprocessing pool is shut down")] * len(items))
+        return future
+
+    async def prepare(self, modality: str, items: Sequence[bytes | list[bytes]],
+                      locations: Sequence[str] | None = None) -> list[PreparedBatch | ItemFailure]:
+        """`submit`, awaited; cancelling it drops the items not yet started."""
+        return await asyncio.wrap_future(self.submit(modality, items, locations))
+
+    def stats(self) -> list[dict[str, float]]:
+        """Per worker: items done, busy and CPU seconds, their fraction of the pool's lifetime, restarts."""
+        wall = max(1e-9, time.perf_counter() - self._started_at)
+        return [{"worker": w.index, "items": w.items, "busy_s": w.busy_s, "cpu_s": w.cpu_s,
+                 "busy_fraction": w.busy_s / wall, "cpu_fraction": w.cpu_s / wall, "restarts": w.restarts}
+                for w in self._workers]
+
+    def in_flight(self) -> dict[int, str]:
+        """A snapshot: the item (its location) that each busy worker holds, by process id."""
+        snapshot = {}
+        for worker in list(self._workers):
+            process, task = worker.process, worker.task
+            if process is not None and task is not None:
+                snapshot[process.pid] = task.location
+        return snapshot
+
+    def pids(self) -> list[int]:
+        """The live workers' process ids (tests kill them)."""
+        return [w.process.pid for w in self._workers if w.process is not None and w.process.is_alive()]
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (asked, then killed after `timeout_s`), fail what is left, free shared memory."""
+        self._closing = True
+        self._wake()
+        if self._conductor is not None and self._conductor is not threading.current_thread():
+            self._conductor.join(timeout_s + 5.0)
+        if self._conductor is None or not self._conductor.is_alive():
+            with self._inbox_lock:  # never started (or gone): nothing will take what is queued, so fail it
+                self._stopped = True
+            self._fail_everything(self.broken or "the preprocessing pool is shut down", 503)
+            self._stop_workers(timeout_s)
+        for fd in (self._wake_read, self._wake_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_read = self._wake_write = -1
+
+    # --- the conductor thread -------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"x")
+        except (BlockingIOError, OSError):  # already awake (pipe full) or closing
+            pass
+
+    def _spawn(self, worker: _Worker) -> None:
+        task_receiver, task_sender = self._context.Pipe(duplex=False)
+        result_receiver, result_sender = self._context.Pipe(duplex=False)
+        worker.generation += 1
+        process = self._context.Process(
+            target=_worker_main, name=f"preprocess-worker-{worker.index}", daemon=True,
+            args=(worker.index, self._copy, self.limits, task_receiver, result_sender,
+                  f"{self._block_prefix}-w{worker.index}g{worker.generation}", self.threads_per_worker))
+        process.start()
+        task_receiver.close()  # the worker's ends: once closed here, its death reads as EOF
+        result_sender.close()
+        worker.process, worker.tasks, worker.results = process, task_sender, result_receiver
+        worker.ready, worker.task, worker.pending_restart_at = False, None, None
+
+    def _conduct(self) -> None:
+        try:
+            while not self._closing:
+                self._absorb_inbox()
+                self._dispatch()
+                waitables = [self._wake_read]
+                for worker in self._workers:
+                    if worker.process is not None:
+                        waitables += [worker.results, worker.process.sentinel]
+                ready = multiprocessing.connection.wait(waitables, self._wait_timeout())
+                for obj in ready:
+                    if obj == self._wake_read:
+                        os.read(self._wake_read, 4096)
+                for worker in self._workers:
+                    if worker.process is None:
+                        continue
+                    if worker.results in ready and not self._receive(worker):
+                        worker.process.kill()  # its pipe ended, so it is dying anyway: do not spin on EOF
+                        worker.process.join(5.0)
+                        self._worker_died(worker)
+                        continue
+                    if worker.process is not None and worker.process.sentinel in ready:
+                        self._worker_died(worker)
+                self._expire_overdue()
+                self._restart_due()
+        except Exception:
+            log.exception("the preprocessing conductor failed")
+            self.broken = "the preprocessing pool's conductor thread failed"
+        finally:
+            with self._inbox_lock:
+                self._stopped = True
+            self._fail_everything(self.broken or "the preprocessing pool is shut down", 503)
+            self._all_ready.set()
+            self._stop_workers(5.0)
+
+    def _absorb_inbox(self) -> None:
+        while self._inbox:
+            batch, tasks = self._inbox.popleft()
+            for task in tasks:
+                task.task_id = next(self._task_ids)
+            self._queue.extend(tasks)
+
+    def _dispatch(self) -> None:
+        for worker in self._workers:
+            if not self._queue:
+                return
+            if worker.process is None or not worker.ready or worker.task is not None:
+                continue
+            task = self._next_task()
+            if task is None:
+                return
+            try:
+                worker.tasks.send((task.task_id, task.batch.modality, task.raw, task.location))
+            except (BrokenPipeError, OSError):
+                self._queue.appendleft(task)  # its sentinel fires next; the item goes to another worker
+                continue
+            worker.task, worker.task_started = task, time.monotonic()
+
+    def _next_task(self) -> _Task | None:
+        while self._queue:
+            task = self._queue.popleft()
+            if not task.batch.future.cancelled() and not task.batch.future.done():
+                return task
+        return None
+
+    def _wait_timeout(self) -> float:
+        now = time.monotonic()
+        deadlines = [w.task_started + self.item_timeout_s for w in self._workers if w.task is not None]
+        deadlines += [w.pending_restart_at for w in self._workers if w.pending_restart_at is not None]
+        return max(0.0, min(deadlines) - now) + 0.001 if deadlines else 1.0
+
+    def _receive(self, worker: _Worker) -> bool:
+        """Take one message from a worker; False at the end of its pipe (the process is gone)."""
+        try:
+            kind, task_id, payload, timings = worker.results.recv()
+        except (EOFError, OSError):
+            return False  # its sentinel says so too: `_worker_died` cleans up
+        if kind == "ready":
+            worker.ready, worker.start_failures = True, 0
+            self._check_all_ready()
+            return True
+        if kind == "broken":
+            log.error("preprocessing worker %d cannot prepare the sample item: %s", worker.index, payload)
+            self.broken = f"preprocessing worker {worker.index} cannot prepare the model's sample item: {payload}"
+            self._closing = True
+            return True
+        task, worker.task = worker.task, None
+        if task is None or task.task_id != task_id:
+            log.error("preprocessing worker %d answered task %s it was not given", worker.index, task_id)
+            return True
+        if kind == "done":
+            inputs, layouts, extras = payload
+            try:
+                tensors = import_tensors(inputs) if isinstance(inputs, SharedTensors) else inputs
+                result: PreparedBatch | ItemFailure = PreparedBatch(task.batch.modality, tensors, layouts, extras)
+            except OSError as exc:
+                result = ItemFailure(500, f"{task.location}: could not map the preprocessed tensors: {exc}")
+            worker.busy_s += timings[0]
+            worker.cpu_s += timings[1]
+            worker.items += 1
+        else:
+            status, message = payload
+            result = ItemFailure(status, message)
+        self._settle(task, result)
+        return True
+
+    def _settle(self, task: _Task, result: PreparedBatch | ItemFailure) -> None:
+        batch = task.batch
+        if batch.results[task.index] is not None:
+            return
+        batch.results[task.index] = result
+        batch.remaining -= 1
+        if batch.remaining == 0 and not batch.future.done():
+            try:
+                batch.future.set_result(batch.results)
+            except Exception:  # cancelled by its caller meanwhile
+                pass
+
+    def _worker_died(self, worker: _Worker) -> None:
+        while worker.results.poll(0) and self._receive(worker):  # answers sent before it died still count
+            pass
+        process = worker.process
+        process.join(10.0)  # it has exited or is exiting (its sentinel or pipe said so): reap it for the reason
+        code = process.exitcode
+        if code is None:
+            reason = "stopped answering (its pipe closed)"
+        elif code < 0:
+            reason = f"killed by {signal.Signals(-code).name}"
+        else:
+            reason = f"exited with code {code}"
+
+        for path in SHM_DIR.glob(Path(f"{self._block_prefix}-w{worker.index}g{worker.generation}-*").name):
+            path.unlink(missing_ok=True)  # blocks it wrote but never announced
+        for conn in (worker.tasks, worker.results):
+            conn.close()
+        worker.process = None
+        was_ready, task, worker.task = worker.ready, worker.task, None
+        worker.ready = False
+        if self._closing:
+            return
+        if task is not None:
+            task.attempts += 1
+            if task.attempts >= 2:
+                self._settle(task, ItemFailure(500, f"{task.location}: the preprocessing worker died twice while "
+                                                    f"preparing this item (last {reason})"))
+            else:
+                log.warning("preprocessing worker %d (pid %d) %s while preparing %s; retrying it once",
+                            worker.index, process.pid, reason, task.location)
+                self._queue.appendleft(task)
+        else:
+            log.warning("preprocessing worker %d (pid %d) %s", worker.index, process.pid, reason)
+        worker.exit_reasons.append(reason)
+        if not was_ready:
+            worker.start_failures += 1
+        if worker.start_failures >= self.max_start_failures:
+            log.error("preprocessing worker %d failed to start %d times in a row; not restarting it",
+                      worker.index, worker.start_failures)
+            worker.gave_up = True
+            if all(w.gave_up for w in self._workers):
+                self.broken = (f"every preprocessing worker failed to start {self.max_start_failures} times in "
+                               f"a row (last {reason})")
+                self._closing = True  # the conductor exits and fails whatever is held
+            self._check_all_ready()
+            return
+        worker.restarts += 1
+        # A worker that dies at start-up is restarted after a pause, so that a broken set-up does not spin.
+        worker.pending_restart_at = time.monotonic() + (0.0 if was_ready else 1.0)
+
+    def _check_all_ready(self) -> None:
+        if all(w.ready or w.gave_up for w in self._workers):
+            self._all_ready.set()
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for worker in self._workers:
+            if worker.process is None and worker.pending_restart_at is not None and worker.pending_restart_at <= now:
+                self._spawn(worker)
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        for worker in self._workers:
+            task = worker.task
+            if task is not None and now - worker.task_started > self.item_timeout_s:
+                log.error("preprocessing worker %d spent over %g s on %s; stopping it", worker.index,
+                          self.item_timeout_s, task.location)
+                worker.task = None
+                task.attempts = 2  # no retry: the item itself is the likely cause
+                self._settle(task, ItemFailure(500, f"{task.location}: preprocessing took longer than "
+                                                    f"{self.item_timeout_s:g} s"))
+                worker.process.kill()  # its sentinel fires; the conductor restarts it
+
+    def _fail_everything(self, message: str, status: int) -> None:
+        self._absorb_inbox()
+        failure = ItemFailure(status, message)
+        for worker in self._workers:
+            if worker.task is not None:
+                task, worker.task = worker.task, None
+                self._settle(task, failure)
+        while self._queue:
+            self._settle(self._queue.popleft(), failure)
+
+    def _stop_workers(self, timeout_s: float) -> None:
+        for worker in self._workers:
+            if worker.process is not None and worker.process.is_alive():
+                try:
+                    worker.tasks.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for worker in self._workers:
+            if worker.process is None:
+                continue
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(5.0)
+            for conn in (worker.tasks, worker.results):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+            worker.process = None
+        for path in SHM_DIR.glob(Path(f"{self._block_prefix}-*").name):
+            path.unlink(missing_ok=True)
