@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .memory import parse_cache_bytes
+
 
 def parse_bool(text: str | bool) -> bool:
     """Read a boolean the way operators write one: true/false, 1/0, yes/no, on/off."""
@@ -104,6 +106,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--cache-bytes", parse_cache_bytes, "auto",
+           "bound of the per-item embedding cache in bytes (e.g. 536870912 or 512MiB); auto: 5 percent of the memory, "
+           "at most 1 GiB; 0 turns the cache and in-flight deduplication off"),
 )
 
 
@@ -141,6 +146,7 @@ class Settings:
     cpu_threads: int = 0
     media_workers: int = 4
     log_level: str = "info"
+    cache_bytes: int | str = "auto"  # "auto" or bytes; memory.default_cache_bytes resolves "auto"
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
