@@ -1,7 +1,8 @@
 """Load generators for `/encode`: closed loop (fixed concurrency) and open loop (Poisson arrivals).
 
 Both send to one base URL (loopback in every use here), a bounded number of requests, and return
-throughput and latency percentiles. Payloads are images or audio clips of a chosen size, made once.
+throughput and latency percentiles. What each request carries comes from a workload
+(`workloads.py`): its item lists are made before the clock starts.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ class LoadResult:
     p90_ms: float
     p99_ms: float
     mean_batch_size: float
+    items: int = 0  # media items in the answered requests
+    cached_items: int = 0  # of those, the ones the response marked "cached": true
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _summary(config: str, mode: str, load: float, latencies: list[float], batch_sizes: list[int], errors: int,
-             wall_s: float) -> LoadResult:
+def _summary(config: str, mode: str, load: float, client: _Client, wall_s: float) -> LoadResult:
+    latencies, batch_sizes, errors = client.latencies, client.batch_sizes, client.errors
     ordered = sorted(latencies) or [0.0]
 
     def pick(q: float) -> float:
@@ -63,23 +66,25 @@ def _summary(config: str, mode: str, load: float, latencies: list[float], batch_
     return LoadResult(config=config, mode=mode, load=load, requests=len(latencies), errors=errors,
                       throughput_rps=(len(latencies) - errors) / wall_s if wall_s > 0 else 0.0,
                       p50_ms=pick(0.5), p90_ms=pick(0.9), p99_ms=pick(0.99),
-                      mean_batch_size=float(np.mean(batch_sizes)) if batch_sizes else 0.0)
+                      mean_batch_size=float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+                      items=client.items, cached_items=client.cached_items)
 
 
 class _Client:
-    """Sends one request and records its latency and the batch it rode in."""
+    """Sends one request and records its latency, the batch it rode in and its items' cache flags."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, modality: str, payloads: list[str],
+    def __init__(self, session: aiohttp.ClientSession, url: str, modality: str, requests: list[list[str]],
                  progress=None) -> None:
-        self.session, self.url, self.modality, self.payloads = session, url, modality, payloads
+        self.session, self.url, self.modality, self.requests = session, url, modality, requests
         self.latencies: list[float] = []
         self.batch_sizes: list[int] = []
         self.errors = 0
+        self.items = 0
+        self.cached_items = 0
         self.progress = progress
 
     async def one(self, index: int, tag: str) -> None:
-        item = self.payloads[index % len(self.payloads)]
-        body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": [item]}
+        body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": self.requests[index]}
         started = time.perf_counter()
         try:
             async with self.session.post(self.url + "/encode", json=body) as response:
@@ -90,6 +95,9 @@ class _Client:
         self.latencies.append(time.perf_counter() - started)
         if ok:
             self.batch_sizes.append(int(payload.get("batch_size", 1)))
+            items = payload.get("items") or []
+            self.items += len(items)
+            self.cached_items += sum(1 for item in items if item.get("cached"))
         else:
             self.errors += 1
         if self.progress is not None:
@@ -101,22 +109,22 @@ def _session(limit: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=300))
 
 
-async def _warm(client: _Client, tag: str) -> None:
-    await asyncio.gather(*(client.one(i, f"warm-{tag}") for i in range(8)))
-    client.latencies.clear()
-    client.batch_sizes.clear()
-    client.errors = 0
+async def _warm(session: aiohttp.ClientSession, url: str, modality: str, workload, tag: str) -> None:
+    warm = _Client(session, url, modality, workload.requests(8))
+    await asyncio.gather(*(warm.one(i, f"warm-{tag}") for i in range(8)))
 
 
-async def closed_loop(url: str, config: str, concurrency: int, total: int, modality: str, payloads: list[str],
-                      progress=None) -> LoadResult:
-    """`concurrency` clients, each sending its next request as soon as the last is answered."""
+async def closed_loop(url: str, config: str, concurrency: int, total: int, modality: str, workload,
+                      progress=None, on_start=None) -> LoadResult:
+    """`concurrency` clients, each sending its next request as soon as the last is answered.
+    `on_start()` runs after the warm-up, just before the clock starts."""
     async with _session(concurrency + 8) as session:
-        client = _Client(session, url, modality, payloads)
-        await _warm(client, f"{config}-{concurrency}")
-        client.progress = progress
+        await _warm(session, url, modality, workload, f"{config}-{concurrency}")
+        client = _Client(session, url, modality, workload.requests(total), progress)
         counter = iter(range(total))
         tag = f"{config}-c{concurrency}"
+        if on_start is not None:
+            on_start()
 
         async def worker() -> None:
             for index in counter:
@@ -125,18 +133,19 @@ async def closed_loop(url: str, config: str, concurrency: int, total: int, modal
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return _summary(config, "closed", concurrency, client.latencies, client.batch_sizes, client.errors, wall)
+    return _summary(config, "closed", concurrency, client, wall)
 
 
-async def open_loop(url: str, config: str, rate: float, total: int, modality: str, payloads: list[str],
-                    progress=None, seed: int = 0) -> LoadResult:
+async def open_loop(url: str, config: str, rate: float, total: int, modality: str, workload,
+                    progress=None, on_start=None, seed: int = 0) -> LoadResult:
     """Poisson arrivals at `rate` requests/s, whatever the server's answers (the load does not wait)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=total)
     async with _session(1024) as session:
-        client = _Client(session, url, modality, payloads)
-        await _warm(client, f"{config}-{rate}")
-        client.progress = progress
+        await _warm(session, url, modality, workload, f"{config}-{rate}")
+        client = _Client(session, url, modality, workload.requests(total), progress)
         tag = f"{config}-r{rate:g}"
+        if on_start is not None:
+            on_start()
         tasks = []
         started = time.perf_counter()
         next_at = started
@@ -148,4 +157,4 @@ async def open_loop(url: str, config: str, rate: float, total: int, modality: st
             tasks.append(asyncio.ensure_future(client.one(index, tag)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
-    return _summary(config, "open", rate, client.latencies, client.batch_sizes, client.errors, wall)
+    return _summary(config, "open", rate, client, wall)
