@@ -51,17 +51,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def set_cpu_threads(settings, ranks: int) -> None:
-    """On CPU, torch's intra-op threads get half the cores by default (shared among the ranks): the
-    rest is for the event loop, decoding and the processor. Measured on 2 cores, c=64: 503 req/s
-    with 1 thread against 349 with 2 (OpenMP threads spin and starve the other work)."""
-    import os
-
+    """On CPU, torch's intra-op threads get `Settings.cpu_threads_per_rank` (a no-op on GPUs)."""
     import torch
 
     if settings.device not in ("auto", "cpu") or (settings.device == "auto" and torch.cuda.is_available()):
         return
-    threads = settings.cpu_threads or max(1, (os.cpu_count() or 2) // 2)
-    torch.set_num_threads(max(1, threads // ranks))
+    torch.set_num_threads(settings.cpu_threads_per_rank(ranks))
 
 
 class DrainingServer:
@@ -97,7 +92,7 @@ class DrainingServer:
                 if not drained:
                     logging.getLogger("encode_server").warning(
                         "drain timeout: %d requests still in flight are failed", service.pending)
-                    service.scheduler.fail_queued("the server shut down before this request's turn")
+                    service.fail_queued("the server shut down before this request's turn")
                     await service.wait_drained(5.0)  # let their handlers answer 503
                 self.should_exit = True
 

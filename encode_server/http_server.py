@@ -2,8 +2,8 @@
 
 Routes are thin: `/encode` reads the body under `--max-request-bytes`, decodes the JSON (off the
 event loop when it is large), and races `EncoderService.encode` against the client disconnecting,
-so a caller who hangs up never costs an encoder forward. Every error is the JSON body of CONTRACT
-section 2.
+so a caller who hangs up never costs an encoder forward. Every error is the JSON body of the
+docs/CONTRACT.md section 2 (`records.error_body`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from processors import load_adapter
 
-from .jobs import EncodeError
+from .records import EncodeError, error_body
 from .schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
 from .service import EncoderService
 from .settings import Settings
@@ -54,8 +54,8 @@ class ApiKeyMiddleware:
             scheme, _, token = given.partition(b" ")
             if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
                 message = "missing API key" if not given else "bad API key"
-                response = JSONResponse({"status": "error", "message": f"{message}: send Authorization: Bearer <key>",
-                                         "req_id": None}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                response = JSONResponse(error_body(f"{message}: send Authorization: Bearer <key>"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -106,8 +106,7 @@ async def answer_encode(service: EncoderService, limit: int, declared_length: st
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            return CLIENT_CLOSED, {"status": "error", "message": "client disconnected",
-                                   "req_id": request_id_of(payload)}, {}
+            return CLIENT_CLOSED, error_body("client disconnected", request_id_of(payload)), {}
         return 200, work.result(), {}
     except EncodeError as error:
         if error.req_id is None:
@@ -115,7 +114,7 @@ async def answer_encode(service: EncoderService, limit: int, declared_length: st
         return error.status, error.body(), error.headers
     except Exception as exc:  # a bug: still answer with the contract's error body
         log.exception("unexpected error in /encode")
-        return 500, EncodeError(500, f"internal error: {exc}", request_id_of(payload)).body(), {}
+        return 500, error_body(f"internal error: {exc}", request_id_of(payload)), {}
 
 
 class EncodeFastPath:
@@ -152,7 +151,7 @@ class EncodeFastPath:
 
         service = getattr(self.app.state, "service", None)
         if service is None:
-            status, body, headers = 503, {"status": "error", "message": "the encoder is starting", "req_id": None}, {}
+            status, body, headers = 503, error_body("the encoder is starting"), {}
         else:
             status, body, headers = await answer_encode(service, self.limit, declared, chunks(), hangup)
         raw = orjson.dumps(body)
@@ -204,8 +203,8 @@ def create_app(settings: Settings, adapter=None, group=None):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"status": "error", "message": str(exc.detail), "req_id": None},
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.post("/encode", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": EncodeRequest.model_json_schema()}}}})

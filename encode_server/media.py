@@ -229,17 +229,28 @@ def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, loca
 
 @dataclass(frozen=True)
 class MediaLimits:
-    """What decoding may accept and produce."""
+    """What decoding may accept and produce (from the settings: `MediaLimits.from_settings`)."""
 
-    max_image_pixels: int = 50_000_000
-    max_fetch_bytes: int = 64 * 1024 * 1024
-    audio_sample_rate: int = 16000
-    max_audio_seconds: float = 30.0
-    video_fps: float = 2.0
-    max_video_frames: int = 32
-    allow_private_urls: bool = False
-    allowed_local_media_dir: str | None = None
+    max_image_pixels: int
+    max_fetch_bytes: int
+    audio_sample_rate: int
+    max_audio_seconds: float
+    video_fps: float
+    max_video_frames: int
+    allow_private_urls: bool
+    allowed_local_media_dir: str | None
     extra_allowed_networks: tuple = ()  # tests only: loopback networks treated as public
+
+    @classmethod
+    def from_settings(cls, settings: Any, adapter: Any) -> MediaLimits:
+        """The limits of a server's `Settings`, audio resampled to the adapter's rate (16 kHz if it has none)."""
+        return cls(
+            max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
+            audio_sample_rate=int(getattr(adapter, "sampling_rate", 16000)),
+            max_audio_seconds=settings.max_audio_seconds, video_fps=settings.video_fps,
+            max_video_frames=settings.max_video_frames, allow_private_urls=settings.allow_private_urls,
+            allowed_local_media_dir=settings.allowed_local_media_dir,
+        )
 
 
 def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str) -> Any:

@@ -1,4 +1,4 @@
-"""The dispatch decision, as a pure function (CONTRACT section 4).
+"""The dispatch decision, as a pure function (docs/CONTRACT.md, section 4).
 
 Given the queued requests of each modality (oldest first) and the current time, `decide` says
 which requests form the next batch, or until when to sleep. It knows nothing of asyncio, clocks or

@@ -25,11 +25,12 @@ from typing import Any
 import torch
 import zmq
 
+from processors.dtypes import DTYPES, raw_bytes
+
 from .wire import Header, WireError, decode_header, is_wildcard_host
 
 log = logging.getLogger("encode_server.receiver")
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class EmbeddingError(RuntimeError):
@@ -67,13 +68,6 @@ class _Pending:
     @property
     def complete(self) -> bool:
         return self.error is not None or len(self.parts) == self.num_parts
-
-
-def _writable_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as writable bytes (the wire is little-endian, as every supported host is)."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return memoryview(tensor.numpy()).cast("B")
 
 
 class EmbeddingReceiver:
@@ -159,8 +153,8 @@ class EmbeddingReceiver:
             return
         tensor = None
         if header.error is None:
-            tensor = torch.empty(header.shape, dtype=_TORCH_DTYPES[header.dtype])
-            received = self._socket.recv_into(_writable_bytes(tensor))
+            tensor = torch.empty(header.shape, dtype=DTYPES[header.dtype])
+            received = self._socket.recv_into(raw_bytes(tensor))
         else:
             received = self._socket.recv_into(bytearray())
         if self._skip_rest() or received != header.payload_bytes:

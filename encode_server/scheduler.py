@@ -1,10 +1,10 @@
 """The one owner of the queue: `EncoderScheduler` forms batches and hands them to the engine.
 
-Other tasks only `submit` a `PendingRequest` and await its future. The scheduler's task drains the
+Other tasks only `submit` a job and await the future they get back. The scheduler's task drains the
 inbox into per-modality queues, drops requests that were cancelled, disconnected or expired, asks
 the pure policy (`policy.decide`) what to dispatch whenever the engine has room for a batch, and
 otherwise sleeps until the next arrival, the next freed slot, or the policy's deadline. It never
-polls.
+polls. Its time comes from an injectable `Clock`, so the rules are tested without sleeping.
 
 Room for a batch: at most `max_in_flight` batches are between dispatch and the end of their
 forward (default 2: one in the forward, the next one preprocessing). So an idle encoder takes a
@@ -14,32 +14,38 @@ request at once, and a busy one collects the next batch meanwhile.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
-from .engine import EncoderEngine
-from .jobs import EncodeError, EncodeJob, EncodeOutcome
+from .clock import Clock, MonotonicClock
 from .metrics import ServerMetrics
 from .policy import BatchPolicy, Dispatch, QueuedView, decide
+from .records import EncodedPart, EncodeError, EncodeJob
 
 log = logging.getLogger("encode_server.scheduler")
+
+
+class Engine(Protocol):
+    """What the scheduler needs of the engine: one result per job, in order, never raising."""
+
+    async def encode(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]: ...
 
 
 class PendingRequest:
     """A job waiting for its embedding: the job, the future its caller awaits, and its clock times."""
 
-    __slots__ = ("job", "future", "submit_time", "deadline", "view", "probe")
+    __slots__ = ("job", "future", "submit_time", "deadline", "view")
 
-    def __init__(self, job: EncodeJob, deadline: float, loop: asyncio.AbstractEventLoop,
-                 probe: bool = False) -> None:
+    def __init__(self, job: EncodeJob, deadline: float, submit_time: float,
+                 future: asyncio.Future[EncodedPart]) -> None:
         self.job = job
-        self.probe = probe  # a health probe: runs alone as soon as there is room, never waits for company
-        self.future: asyncio.Future[EncodeOutcome] = loop.create_future()
-        self.submit_time = time.monotonic()
-        self.deadline = deadline  # monotonic seconds
-        self.view = QueuedView(arrival=self.submit_time, tokens=job.tokens)
+        self.future = future
+        self.submit_time = submit_time
+        self.deadline = deadline  # in the scheduler's clock
+        self.view = QueuedView(arrival=submit_time, tokens=job.tokens)
 
 
 class _Views(Sequence[QueuedView]):
@@ -58,12 +64,13 @@ class _Views(Sequence[QueuedView]):
 class EncoderScheduler:
     """Owns the per-modality queues; applies the policy; dispatches batches to the engine."""
 
-    def __init__(self, engine: EncoderEngine, policy: BatchPolicy, metrics: ServerMetrics,
-                 max_in_flight: int = 2) -> None:
+    def __init__(self, engine: Engine, policy: BatchPolicy, metrics: ServerMetrics, max_in_flight: int = 2,
+                 clock: Clock | None = None) -> None:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
         self.max_in_flight = max_in_flight
+        self.clock = clock or MonotonicClock()
         self._inbox: deque[PendingRequest] = deque()
         self._probes: deque[PendingRequest] = deque()
         self._queues: dict[str, deque[PendingRequest]] = {}
@@ -75,6 +82,10 @@ class EncoderScheduler:
     @property
     def queue_depth(self) -> int:
         return len(self._inbox) + sum(len(queue) for queue in self._queues.values())
+
+    @property
+    def batches_in_flight(self) -> int:
+        return self._in_flight
 
     @property
     def running(self) -> bool:
@@ -102,16 +113,19 @@ class EncoderScheduler:
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
-    def submit(self, pending: PendingRequest) -> None:
-        """Hand a request to the scheduler's task (called from request handlers)."""
-        self._inbox.append(pending)
+    def submit(self, job: EncodeJob, deadline: float) -> asyncio.Future[EncodedPart]:
+        """Queue a job (`deadline` in the scheduler's clock); the future ends with its `EncodedPart`
+        or an `EncodeError`. Cancelling the future drops the job before it reaches the encoder."""
+        future: asyncio.Future[EncodedPart] = asyncio.get_running_loop().create_future()
+        self._inbox.append(PendingRequest(job, deadline, self.clock.now(), future))
         self._wake.set()
+        return future
 
     async def _run(self) -> None:
         while True:
             self._wake.clear()
             self._absorb_inbox()
-            now = time.monotonic()
+            now = self.clock.now()
             self._drop_dead(now)
             timeout: float | None = None
             while self._probes and self._in_flight < self.max_in_flight:
@@ -127,18 +141,12 @@ class EncoderScheduler:
                     timeout = max(0.0, decision.until - now)
                 break
             self.metrics.queue_depth.set(self.queue_depth)
-            if timeout is None:
-                await self._wake.wait()
-            else:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+            await self.clock.wait(self._wake, timeout)
 
     def _absorb_inbox(self) -> None:
         while self._inbox:
             pending = self._inbox.popleft()
-            if pending.probe:
+            if pending.job.probe:
                 self._probes.append(pending)
             else:
                 self._queues.setdefault(pending.job.modality, deque()).append(pending)
@@ -177,13 +185,14 @@ class EncoderScheduler:
             live = [p for p in batch if not p.future.done()]
             if not live:
                 return
-            outcomes = await self.engine.encode(modality, [p.job for p in live])
-            for pending, outcome in zip(live, outcomes):
-                if isinstance(outcome, EncodeError):
-                    _fail(pending, outcome)
+            results = await self.engine.encode(modality, [p.job for p in live])
+            for pending, result in zip(live, results):
+                if isinstance(result, EncodeError):
+                    _fail(pending, result)
                 elif not pending.future.done():
-                    outcome.timings_ms["queue"] = (dispatched_at - pending.submit_time) * 1e3
-                    pending.future.set_result(outcome)
+                    queue_ms = (dispatched_at - pending.submit_time) * 1e3
+                    pending.future.set_result(
+                        dataclasses.replace(result, timings=dataclasses.replace(result.timings, queue=queue_ms)))
         except BaseException as exc:  # never leave a caller waiting
             for pending in batch:
                 _fail(pending, EncodeError(500, f"batch failed: {exc}", pending.job.req_id))

@@ -25,7 +25,7 @@ MODALITIES = ("image", "audio", "video")
 
 
 class EncodeRequest(BaseModel):
-    """`POST /encode` (CONTRACT section 2)."""
+    """`POST /encode` (docs/CONTRACT.md, section 2)."""
 
     model_config = ConfigDict(extra="ignore")
 

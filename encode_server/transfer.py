@@ -1,4 +1,4 @@
-"""Deliver embeddings to prefill ranks over ZMQ (CONTRACT section 3).
+"""The ZMQ socket layer of delivery: endpoint checks and one PUSH socket per destination.
 
 `EmbeddingSender` keeps one PUSH socket per endpoint. Sockets are `ZMQ_IMMEDIATE`, so a message is
 only ever queued to a peer that is connected, never piled up for a dead one, and a send that finds
@@ -6,9 +6,8 @@ no peer waits (on the socket's event, not by polling) at most `send_timeout_s` b
 destination is reported undeliverable. Payloads go zero-copy (`copy=False`) from the tensor's
 memory; libzmq's I/O thread moves the bytes, off the event loop.
 
-`Registrations` holds the receivers that asked for a request through `/scheduler_receive_url`;
-delivery waits until `receive_count` distinct ones are in. An embedding finished before anyone
-registered is parked for `send_timeout_s`, and goes out as soon as the registrations complete.
+What the frames hold (the wire format) and where they go (destinations, registrations) is
+`delivery.py`'s business; this module only moves frames.
 """
 
 from __future__ import annotations
@@ -17,14 +16,11 @@ import asyncio
 import ipaddress
 import logging
 import re
-import time
-from dataclasses import dataclass, field
-
-import torch
+from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from .wire import Header, is_wildcard_host
+from .wire import is_wildcard_host
 
 log = logging.getLogger("encode_server.transfer")
 
@@ -62,14 +58,6 @@ def endpoint_for(host: str, port: int) -> str:
     return check_endpoint(f"tcp://{bracketed}:{port}")
 
 
-def payload_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (bfloat16 as its 16-bit pattern; the host is little-endian)."""
-    tensor = tensor.contiguous()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return memoryview(tensor.numpy()).cast("B")
-
-
 class EmbeddingSender:
     """One cached PUSH socket per endpoint, used only from the event loop."""
 
@@ -94,20 +82,21 @@ class EmbeddingSender:
             self._sockets[endpoint] = sock
         return sock
 
-    async def send(self, endpoints: list[str], header: bytes, payload: memoryview | bytes) -> int:
-        """Send to every endpoint at once; returns bytes sent, raises `DeliveryError` naming failures."""
+    async def send(self, endpoints: list[str], frames: Sequence[bytes | memoryview]) -> int:
+        """Send one multipart message to every endpoint at once; returns the bytes sent, raises
+        `DeliveryError` naming the endpoints that did not take it."""
         if len(endpoints) == 1:
-            results = [await self._send_one(endpoints[0], header, payload)]
+            results = [await self._send_one(endpoints[0], frames)]
         else:
-            results = await asyncio.gather(*(self._send_one(e, header, payload) for e in endpoints))
+            results = await asyncio.gather(*(self._send_one(e, frames) for e in endpoints))
         failures = {endpoint: reason for endpoint, reason in zip(endpoints, results) if reason}
         if failures:
             raise DeliveryError(failures)
-        return len(payload) * len(endpoints)
+        return sum(len(frame) for frame in frames) * len(endpoints)
 
-    async def _send_one(self, endpoint: str, header: bytes, payload: memoryview | bytes) -> str | None:
+    async def _send_one(self, endpoint: str, frames: Sequence[bytes | memoryview]) -> str | None:
         try:
-            sent = self._socket(endpoint).send_multipart([header, payload], copy=False)
+            sent = self._socket(endpoint).send_multipart(frames, copy=False)
             if not sent.done():  # no connected peer, or its queue is full: wait on the socket's event
                 await asyncio.wait_for(sent, self.send_timeout_s)
             sent.result()
@@ -122,96 +111,3 @@ class EmbeddingSender:
             sock.close(0)
         self._sockets.clear()
         self._context.term()
-
-
-@dataclass
-class _Registration:
-    """Receivers that asked for one request's embedding."""
-
-    count: int | None  # None until a receiver says how many to expect
-    created: float
-    urls: list[str] = field(default_factory=list)
-    complete: asyncio.Event = field(default_factory=asyncio.Event)
-    parked: dict[int, tuple[bytes, memoryview, torch.Tensor]] = field(default_factory=dict)
-
-
-class Registrations:
-    """`/scheduler_receive_url` state: who wants which `req_id`, and embeddings waiting for them."""
-
-    def __init__(self, sender: EmbeddingSender, ttl_s: float, max_parked_bytes: int = 512 << 20) -> None:
-        self.sender = sender
-        self.ttl_s = ttl_s
-        self.max_parked_bytes = max_parked_bytes
-        self.parked_bytes = 0
-        self._by_req: dict[str, _Registration] = {}
-        self._tasks: set[asyncio.Task] = set()
-
-    def _entry(self, req_id: str, count: int | None) -> _Registration:
-        entry = self._by_req.get(req_id)
-        if entry is None:
-            entry = self._by_req[req_id] = _Registration(count=count, created=time.monotonic())
-            asyncio.get_running_loop().call_later(self.ttl_s, self._expire, req_id, entry)
-        return entry
-
-    def _expire(self, req_id: str, entry: _Registration) -> None:
-        if self._by_req.get(req_id) is entry:
-            del self._by_req[req_id]
-            self._unpark(entry)
-
-    def _unpark(self, entry: _Registration) -> None:
-        self.parked_bytes -= sum(len(payload) for _, payload, _ in entry.parked.values())
-        entry.parked.clear()
-
-    def register(self, req_id: str, url: str, count: int) -> int:
-        """Add a receiver; returns how many distinct ones are registered. ValueError on a count clash."""
-        entry = self._entry(req_id, count)
-        if entry.count is None:
-            entry.count = count
-        if entry.count != count:
-            raise ValueError(f"receive_count {count} differs from the {entry.count} registered before for {req_id!r}")
-        if url not in entry.urls:
-            entry.urls.append(url)
-        if len(entry.urls) >= entry.count and not entry.complete.is_set():
-            entry.complete.set()
-            for header, payload, _ in entry.parked.values():
-                task = asyncio.get_running_loop().create_task(self._deliver_parked(req_id, entry, header, payload))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            self._unpark(entry)
-        return len(entry.urls)
-
-    async def _deliver_parked(self, req_id: str, entry: _Registration, header: bytes, payload: memoryview) -> None:
-        try:
-            await self.sender.send(list(entry.urls), header, payload)
-        except DeliveryError as exc:
-            log.warning("late delivery of %s failed: %s", req_id, exc)
-
-    def wanted(self, req_id: str) -> bool:
-        """Whether a receiver has registered for `req_id` (parked embeddings alone do not count)."""
-        entry = self._by_req.get(req_id)
-        return entry is not None and bool(entry.urls)
-
-    def known_receivers(self, req_id: str) -> list[str]:
-        entry = self._by_req.get(req_id)
-        return list(entry.urls) if entry else []
-
-    async def receivers(self, req_id: str, timeout: float) -> list[str]:
-        """The registered receivers once `receive_count` are in; TimeoutError after `timeout`."""
-        entry = self._by_req[req_id]
-        await asyncio.wait_for(entry.complete.wait(), timeout)
-        return list(entry.urls)
-
-    def park(self, req_id: str, part_idx: int, header: Header, tensor: torch.Tensor) -> None:
-        """Keep an embedding nobody registered for yet, until registrations complete or the TTL passes."""
-        payload = payload_view(tensor)
-        if self.parked_bytes + len(payload) > self.max_parked_bytes:
-            log.warning("not keeping %s for late registration: %d bytes already parked", req_id, self.parked_bytes)
-            return
-        entry = self._entry(req_id, count=None)
-        entry.parked[part_idx] = (header.encode(), payload, tensor)
-        self.parked_bytes += len(payload)
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,4 +1,4 @@
-"""The encoder-to-prefill wire format (CONTRACT section 3), shared by sender and receiver.
+"""The encoder-to-prefill wire format (docs/CONTRACT.md, section 3), shared by sender and receiver.
 
 One message per request part, two frames: a UTF-8 JSON header and the embedding's raw bytes
 (little-endian, row-major; empty when the header carries an error). No pickle anywhere.
@@ -10,12 +10,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from processors.dtypes import PAYLOAD_DTYPES
 
 WIRE_VERSION = 1
-
-#: Wire dtype name -> numpy dtype of the payload's elements (bfloat16 travels as its 16-bit pattern).
-PAYLOAD_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 HEADER_KEYS = ("v", "req_id", "part_idx", "num_parts", "modality", "dtype", "shape", "items", "error")
 

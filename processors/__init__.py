@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from .base import (
-    DTYPE_NAMES,
     EncoderAdapter,
     ItemError,
     ItemLayout,
@@ -13,6 +12,7 @@ from .base import (
     resolve_dtype,
 )
 from .builtin import BUILTIN_MODELS
+from .dtypes import DTYPE_NAMES
 
 __all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",
            "BUILTIN_MODELS"]

@@ -3,7 +3,7 @@
 An adapter turns decoded media items into encoder inputs with one processor call for a whole batch
 (`preprocess`), runs one forward for the batch (`forward`), and knows how many output rows each
 item produces (`item_layout`, from the model's own grid). `split_rows` checks those counts against
-the forward's actual row count and slices the output per item. Nothing here knows about HTTP,
+the forward's actual row count and slices the output, once, per request. Nothing here knows about HTTP,
 queues or time: the scheduler and engine only call these methods.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .dtypes import DTYPES
 
 
 class ItemError(ValueError):
@@ -99,15 +101,21 @@ class EncoderAdapter(ABC):
         modality, item = self.sample_item()
         self.forward(self.preprocess(modality, [item]))
 
-    def split_rows(self, batch: PreparedBatch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Slice the forward's output per item, checked against the grid-derived counts."""
-        expected = batch.total_tokens
-        if rows.shape[0] != expected:
+    def split_rows(self, layouts: Sequence[ItemLayout], rows: torch.Tensor,
+                   items_per_group: Sequence[int]) -> list[torch.Tensor]:
+        """Slice the forward's output into consecutive groups of items (one group per request), after
+        checking the row count against the grid-derived counts. Each slice is a view of `rows`."""
+        counts = [layout.tokens for layout in layouts]
+        if rows.shape[0] != sum(counts):
             raise RuntimeError(
                 f"{self.info.family}: forward produced {rows.shape[0]} rows but the items' grids "
-                f"account for {expected}"
+                f"account for {sum(counts)}"
             )
-        return list(torch.split(rows, [layout.tokens for layout in batch.layouts]))
+        sizes, start = [], 0
+        for group in items_per_group:
+            sizes.append(sum(counts[start:start + group]))
+            start += group
+        return list(torch.split(rows, sizes))
 
 
 def resolve_device(device: str) -> torch.device:
@@ -121,7 +129,4 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` means bfloat16 on cuda and float32 elsewhere."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    return DTYPES[dtype]

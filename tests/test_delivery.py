@@ -1,4 +1,4 @@
-"""Embedding delivery over ZMQ (CONTRACT sections 2 and 3): the wire, fan-out to the ranks of a
+"""Embedding delivery over ZMQ (docs/CONTRACT.md, sections 2 and 3): the wire, fan-out to the ranks of a
 prefill node, registrations, parts from two encoders, restarts, and undeliverable destinations."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The dispatch policy (CONTRACT section 4) as pure functions: every rule, its edges, and properties."""
+"""The dispatch policy (docs/CONTRACT.md, section 4) as pure functions: every rule, its edges, and properties."""
 
 from __future__ import annotations
 

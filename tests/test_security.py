@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import http.server
 import ipaddress
 import json
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from encode_server.media import MediaError, MediaLimits, MediaLoader, parse_item
+from encode_server.settings import Settings
 from encode_server.url_guard import (
     BlockedAddressError,
     GuardedConnector,
@@ -163,7 +165,8 @@ def test_a_redirect_to_a_refused_address_is_refused():
         "/direct.png": (200, {"Content-Type": "image/png"}, png_bytes(28, 28)),
         "/hop.png": (302, {"Location": f"http://127.0.0.3:{target.server_address[1]}/cat.png"}, b""),
     })
-    limits = MediaLimits(extra_allowed_networks=(ipaddress.ip_network("127.0.0.2/32"),))
+    limits = dataclasses.replace(MediaLimits.from_settings(Settings(), adapter=None),
+                                 extra_allowed_networks=(ipaddress.ip_network("127.0.0.2/32"),))
 
     async def fetch(path: str):
         loader = MediaLoader(ThreadPoolExecutor(1), limits)

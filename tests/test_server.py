@@ -1,5 +1,5 @@
 """The real server over HTTP on loopback: fusion, exact slicing, isolation of bad input, and the
-409 / 413 / 503 / 504 paths (CONTRACT sections 2 and 4)."""
+409 / 413 / 503 / 504 paths (docs/CONTRACT.md, sections 2 and 4)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from processors import DTYPE_NAMES, ItemLayout
-
-_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+from processors import ItemLayout
+from processors.dtypes import DTYPE_NAMES, DTYPES, raw_bytes, storage_dtype
 
 
 def pack_batch(batch_id: int, modality: str, raw_items: list[bytes | list[bytes]]) -> list[bytes]:
@@ -46,10 +45,8 @@ def pack_result(batch_id: int, rows: torch.Tensor | None, layouts: list[ItemLayo
                               "layouts": [[layout.tokens, *layout.grid_thw] for layout in layouts]}
     if rows is None:
         return [json.dumps(header).encode(), b""]
-    rows = rows.contiguous()
     header.update(dtype=DTYPE_NAMES[rows.dtype], shape=list(rows.shape))
-    view = rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows
-    return [json.dumps(header).encode(), memoryview(view.numpy()).cast("B")]
+    return [json.dumps(header).encode(), raw_bytes(rows)]
 
 
 def unpack_result(frames: list[bytes]) -> tuple[int, torch.Tensor | None, list[ItemLayout], str | None]:
@@ -57,7 +54,6 @@ def unpack_result(frames: list[bytes]) -> tuple[int, torch.Tensor | None, list[I
     layouts = [ItemLayout(tokens=t, grid_thw=(a, b, c)) for t, a, b, c in header["layouts"]]
     if header["error"] is not None or "dtype" not in header:  # an error, or a replica saying it is ready
         return header["batch"], None, layouts, header["error"]
-    dtype = _DTYPES[header["dtype"]]
-    storage = torch.int16 if dtype == torch.bfloat16 else dtype
-    rows = torch.frombuffer(bytearray(frames[1]), dtype=storage).reshape(header["shape"])
-    return header["batch"], rows.view(dtype) if dtype == torch.bfloat16 else rows, layouts, None
+    dtype = DTYPES[header["dtype"]]
+    rows = torch.frombuffer(bytearray(frames[1]), dtype=storage_dtype(dtype)).reshape(header["shape"])
+    return header["batch"], rows.view(dtype), layouts, None

@@ -12,6 +12,7 @@ least-loaded live replica, rank 0's own encoder included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -176,19 +177,9 @@ class socket_on_loopback:
 
 def join_tensor_parallel(adapter: EncoderAdapter, group: WorkerGroup) -> TensorParallelAdapter:
     """Rank 0 joins the process group (waits for every rank to load), shards, and wraps the adapter."""
-    import datetime
+    from .tensor_parallel import start_tensor_parallel
 
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .tensor_parallel import shard_encoder
-
-    device = rank_device(group.settings, 0)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=group.dist_init, rank=0, world_size=group.size,
-                            timeout=datetime.timedelta(seconds=120))
-    mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (group.size,))
-    shard_encoder(adapter, mesh)
+    start_tensor_parallel(adapter, rank_device(group.settings, 0), group.dist_init, 0, group.size)
     return TensorParallelAdapter(adapter, group)
 
 
@@ -255,6 +246,16 @@ class DataParallelReplicas:
     def pick(self) -> int:
         alive = [index for index in range(self.group.size) if self.ready[index] and self._alive(index)]
         return min(alive, key=lambda index: (self.in_flight[index], index))
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[int]:
+        """The least-loaded live replica, counted as busy with one more batch until the block ends."""
+        replica = self.pick()
+        self.in_flight[replica] += 1
+        try:
+            yield replica
+        finally:
+            self.in_flight[replica] -= 1
 
     def _alive(self, index: int) -> bool:
         return index == 0 or self.group.workers[index - 1].alive

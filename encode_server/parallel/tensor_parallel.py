@@ -78,6 +78,19 @@ def shard_encoder(adapter: EncoderAdapter, mesh: DeviceMesh) -> None:
         raise ShardingError(f"no tensor-parallel plan for the {family} family")
 
 
+def start_tensor_parallel(adapter: EncoderAdapter, device: str, init_method: str, rank: int, world_size: int) -> None:
+    """Join the process group (NCCL on GPUs, gloo on CPU; waits for every rank) and shard the encoder."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world_size,))
+    shard_encoder(adapter, mesh)
+
+
 def layout_digest(batch: PreparedBatch | None) -> int:
     """A 63-bit digest of what a rank is about to run: modality, item layouts, input shapes.
 

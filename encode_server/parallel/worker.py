@@ -43,14 +43,6 @@ def die_with_parent() -> None:
         pass
 
 
-def media_limits(settings: Settings, adapter) -> MediaLimits:
-    return MediaLimits(
-        max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
-        audio_sample_rate=getattr(adapter, "sampling_rate", 16000), max_audio_seconds=settings.max_audio_seconds,
-        video_fps=settings.video_fps, max_video_frames=settings.max_video_frames,
-    )
-
-
 def prepare(adapter, limits: MediaLimits, modality: str, raw_items: list):
     """Decode and preprocess a batch as rank 0 did; returns (prepared, layouts)."""
     decoded = []
@@ -86,8 +78,7 @@ def run_data_parallel(adapter, limits: MediaLimits, batches: zmq.Socket, results
         batch_id, modality, raw_items = unpack_batch(batches.recv_multipart())
         try:
             prepared, layouts = prepare(adapter, limits, modality, raw_items)
-            rows = adapter.forward(prepared)
-            adapter.split_rows(prepared, rows)
+            rows = adapter.forward(prepared)  # rank 0 checks the row count when it slices the rows
             if prepared.layouts != layouts:
                 raise RuntimeError("processor grids differ from the items' layouts")
             results.send_multipart(pack_result(batch_id, rows, prepared.layouts), copy=False)
@@ -111,24 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
     if args.device == "cpu":
-        import os
-
-        torch.set_num_threads(max(1, (settings.cpu_threads or max(1, (os.cpu_count() or 2) // 2)) // args.world_size))
+        torch.set_num_threads(settings.cpu_threads_per_rank(args.world_size))
     adapter = load_adapter(settings.model, args.device, settings.dtype)
-    limits = media_limits(settings, adapter)
+    limits = MediaLimits.from_settings(settings, adapter)
     context = zmq.Context()
     batches = context.socket(zmq.PULL)
     batches.connect(args.batch_endpoint)
     if args.role == "tp":
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        from .tensor_parallel import start_tensor_parallel
 
-        from .tensor_parallel import shard_encoder
-
-        backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=args.dist_init, rank=args.rank, world_size=args.world_size)
-        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (args.world_size,))
-        shard_encoder(adapter, mesh)
+        start_tensor_parallel(adapter, args.device, args.dist_init, args.rank, args.world_size)
         run_tensor_parallel(adapter, limits, batches)
     else:
         results = context.socket(zmq.PUSH)

@@ -1,0 +1,155 @@
+"""Admission: which `/encode` bodies get in, and the bookkeeping of those that did.
+
+`Admission.validate` turns a JSON body into an `EncodeRequest` and its destinations (400 naming
+what is wrong). `Admission.admit` lets a request in, or refuses it: 503 when the server is broken,
+draining or holding `--max-pending` requests, 409 when the same (`req_id`, `part_idx`) is already in
+flight. An admitted request holds a `Ticket` (its deadline, and the status it ends with); leaving
+the `admit` block releases it exactly once and records its outcome, whatever happened inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from processors import EncoderAdapter
+
+from .clock import Clock
+from .metrics import ServerMetrics
+from .records import EncodeError, PartMeta
+from .schemas import EncodeRequest, describe_validation_error, request_id_of
+from .settings import Settings
+from .transfer import endpoint_for
+
+log = logging.getLogger("encode_server.admission")
+
+
+@dataclass
+class Ticket:
+    """An admitted request: when it must be answered by, and how it ended (a metrics label)."""
+
+    started: float  # in the clock of `Admission`
+    timeout_s: float
+    status: str = "500"  # until the request says otherwise
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout_s
+
+
+class Admission:
+    """Validates requests, admits them or refuses them, and counts those in flight."""
+
+    def __init__(self, settings: Settings, adapter: EncoderAdapter, metrics: ServerMetrics, clock: Clock) -> None:
+        self.settings = settings
+        self.adapter = adapter
+        self.metrics = metrics
+        self.clock = clock
+        self.broken: str | None = None  # why the server can no longer encode (a tensor-parallel rank died)
+        self.draining = False
+        self._in_flight: set[tuple[str, int]] = set()
+        self._drained = asyncio.Event()
+
+    @property
+    def pending(self) -> int:
+        return len(self._in_flight)
+
+    # --- validation ------------------------------------------------------------------------------
+
+    def validate(self, payload: Any) -> tuple[EncodeRequest, PartMeta, list[str]]:
+        """The request, which part it is, and the `tcp://` destinations it names; 400 when malformed."""
+        if not isinstance(payload, dict):
+            raise EncodeError(400, f"the body must be a JSON object, got {type(payload).__name__}")
+        try:
+            request = EncodeRequest.model_validate(payload)
+        except ValidationError as exc:
+            raise EncodeError(400, describe_validation_error(exc), request_id_of(payload)) from None
+        if not self.adapter.supports(request.modality):
+            supported = ", ".join(self.adapter.info.modalities)
+            raise EncodeError(400, f"model {self.adapter.info.name!r} does not encode {request.modality} "
+                                   f"(it encodes: {supported})", request.req_id)
+        if request.timeout_s is not None and request.timeout_s > self.settings.req_timeout_s:
+            raise EncodeError(400, f"timeout_s {request.timeout_s:g} is above the server's limit of "
+                                   f"{self.settings.req_timeout_s:g} s", request.req_id)
+        meta = PartMeta(req_id=request.req_id, part_idx=request.part_idx, num_parts=request.num_parts,
+                        modality=request.modality)
+        return request, meta, self._endpoints(request)
+
+    @staticmethod
+    def _endpoints(request: EncodeRequest) -> list[str]:
+        ports = request.embedding_port
+        if ports is None and request.prefill_host is None:
+            return []
+        if ports is None or request.prefill_host is None:
+            raise EncodeError(400, "prefill_host and embedding_port go together", request.req_id)
+        ports = [ports] if isinstance(ports, int) else ports
+        if not ports:
+            raise EncodeError(400, "embedding_port: an empty list names no destination", request.req_id)
+        try:
+            return list(dict.fromkeys(endpoint_for(request.prefill_host, port) for port in ports))
+        except ValueError as exc:
+            raise EncodeError(400, f"prefill_host/embedding_port: {exc}", request.req_id) from None
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def refusal(self) -> EncodeError | None:
+        """Why no request can be admitted now (broken or draining), if so."""
+        if self.broken:
+            return EncodeError(503, self.broken, headers={"Retry-After": "5"})
+        if self.draining:
+            return EncodeError(503, "the server is draining before shutdown", headers={"Retry-After": "1"})
+        return None
+
+    @contextlib.contextmanager
+    def admit(self, request: EncodeRequest) -> Iterator[Ticket]:
+        """Admit a request for the duration of the block, or raise its 503/409."""
+        key = (request.req_id, request.part_idx)
+        error = self.refusal()
+        if error is None and len(self._in_flight) >= self.settings.max_pending:
+            error = EncodeError(503, f"overloaded: {self.settings.max_pending} requests pending",
+                                headers={"Retry-After": "1"})
+        if error is None and key in self._in_flight:
+            error = EncodeError(409, f"req_id {request.req_id!r} part {request.part_idx} is already in flight")
+        if error is not None:
+            error.req_id = request.req_id
+            self.metrics.requests_total.labels(request.modality, str(error.status)).inc()
+            raise error
+        timeout = min(request.timeout_s or self.settings.req_timeout_s, self.settings.req_timeout_s)
+        ticket = Ticket(started=self.clock.now(), timeout_s=timeout)
+        self._in_flight.add(key)
+        self.metrics.pending.set(len(self._in_flight))
+        try:
+            yield ticket
+        finally:
+            self._in_flight.discard(key)
+            if self.draining and not self._in_flight:
+                self._drained.set()
+            self.metrics.pending.set(len(self._in_flight))
+            self.metrics.requests_total.labels(request.modality, ticket.status).inc()
+            elapsed = self.clock.now() - ticket.started
+            self.metrics.request_duration.labels(request.modality).observe(elapsed)
+            log.debug("request req_id=%s part=%d modality=%s items=%d status=%s duration_ms=%.1f",
+                      request.req_id, request.part_idx, request.modality, len(request.mm_items), ticket.status,
+                      elapsed * 1e3)
+
+    # --- draining --------------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Stop admitting: new requests get 503; those in flight go on."""
+        self.draining = True
+        if not self._in_flight:
+            self._drained.set()
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """True when every admitted request has left within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

@@ -1,0 +1,236 @@
+"""Where an embedding goes and in which frames: destinations, registrations, wire formats.
+
+`Delivery` takes a finished request part and pushes it to its destinations: the `tcp://host:port`
+endpoints the request named (`prefill_host` + `embedding_port`) and the receivers registered for its
+`req_id` through `/scheduler_receive_url` (delivery waits until `receive_count` distinct ones are
+in). An embedding that finished before anyone registered is parked for late registrants. When a
+request fails after admission, its destinations get an error message, so prefill ranks never wait
+for it.
+
+What the frames hold is a `WireFormat`'s business (`NativeWire`: a JSON header and the raw bytes,
+docs/CONTRACT.md section 3); moving frames is `transfer.EmbeddingSender`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from processors import EncoderAdapter
+from processors.dtypes import DTYPE_NAMES, raw_bytes
+
+from .metrics import ServerMetrics
+from .records import EncodedPart, EncodeError, PartMeta
+from .transfer import DeliveryError, EmbeddingSender
+from .wire import Header
+
+log = logging.getLogger("encode_server.delivery")
+
+Frames = list[bytes | memoryview]
+
+
+class WireFormat(Protocol):
+    """How one request part becomes a ZMQ message."""
+
+    def success_frames(self, meta: PartMeta, part: EncodedPart) -> Frames:
+        """The message carrying a part's embedding."""
+
+    def failure_frames(self, meta: PartMeta, status: int, message: str) -> Frames:
+        """The message telling receivers that a part failed."""
+
+
+class NativeWire:
+    """Frame 0 a UTF-8 JSON header, frame 1 the embedding's raw little-endian bytes (empty on error)."""
+
+    def __init__(self, adapter: EncoderAdapter) -> None:
+        self._dtype = DTYPE_NAMES[adapter.dtype]
+        self._width = adapter.info.hidden_size
+
+    def header(self, meta: PartMeta, part: EncodedPart | None, error: dict | None = None) -> Header:
+        return Header(
+            req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
+            dtype=DTYPE_NAMES[part.embedding.dtype] if part is not None else self._dtype,
+            shape=tuple(part.embedding.shape) if part is not None else (0, self._width),
+            items=[layout.as_json() for layout in part.layouts] if part is not None else [],
+            error=error,
+        )
+
+    def success_frames(self, meta: PartMeta, part: EncodedPart) -> Frames:
+        return [self.header(meta, part).encode(), raw_bytes(part.embedding)]
+
+    def failure_frames(self, meta: PartMeta, status: int, message: str) -> Frames:
+        return [self.header(meta, None, {"code": status, "message": message}).encode(), b""]
+
+
+@dataclass
+class _Registration:
+    """Receivers that asked for one request's embedding, and its parts waiting for them."""
+
+    count: int | None  # None until a receiver says how many to expect
+    created: float
+    urls: list[str] = field(default_factory=list)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    parked: dict[int, tuple[Frames, int]] = field(default_factory=dict)  # part_idx -> (frames, bytes)
+
+
+class Registrations:
+    """`/scheduler_receive_url` state: who wants which `req_id`, and embeddings waiting for them."""
+
+    def __init__(self, sender: EmbeddingSender, ttl_s: float, max_parked_bytes: int = 512 << 20) -> None:
+        self.sender = sender
+        self.ttl_s = ttl_s
+        self.max_parked_bytes = max_parked_bytes
+        self.parked_bytes = 0
+        self._by_req: dict[str, _Registration] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def _entry(self, req_id: str, count: int | None) -> _Registration:
+        entry = self._by_req.get(req_id)
+        if entry is None:
+            entry = self._by_req[req_id] = _Registration(count=count, created=time.monotonic())
+            asyncio.get_running_loop().call_later(self.ttl_s, self._expire, req_id, entry)
+        return entry
+
+    def _expire(self, req_id: str, entry: _Registration) -> None:
+        if self._by_req.get(req_id) is entry:
+            del self._by_req[req_id]
+            self._unpark(entry)
+
+    def _unpark(self, entry: _Registration) -> None:
+        self.parked_bytes -= sum(nbytes for _, nbytes in entry.parked.values())
+        entry.parked.clear()
+
+    def register(self, req_id: str, url: str, count: int) -> int:
+        """Add a receiver; returns how many distinct ones are registered. ValueError on a count clash."""
+        entry = self._entry(req_id, count)
+        if entry.count is None:
+            entry.count = count
+        if entry.count != count:
+            raise ValueError(f"receive_count {count} differs from the {entry.count} registered before for {req_id!r}")
+        if url not in entry.urls:
+            entry.urls.append(url)
+        if len(entry.urls) >= entry.count and not entry.complete.is_set():
+            entry.complete.set()
+            for frames, _ in entry.parked.values():
+                task = asyncio.get_running_loop().create_task(self._deliver_parked(req_id, entry, frames))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            self._unpark(entry)
+        return len(entry.urls)
+
+    async def _deliver_parked(self, req_id: str, entry: _Registration, frames: Frames) -> None:
+        try:
+            await self.sender.send(list(entry.urls), frames)
+        except DeliveryError as exc:
+            log.warning("late delivery of %s failed: %s", req_id, exc)
+
+    def wanted(self, req_id: str) -> bool:
+        """Whether a receiver has registered for `req_id` (parked embeddings alone do not count)."""
+        entry = self._by_req.get(req_id)
+        return entry is not None and bool(entry.urls)
+
+    def known_receivers(self, req_id: str) -> list[str]:
+        entry = self._by_req.get(req_id)
+        return list(entry.urls) if entry else []
+
+    async def receivers(self, req_id: str, timeout: float) -> list[str]:
+        """The registered receivers once `receive_count` are in; TimeoutError after `timeout`."""
+        entry = self._by_req[req_id]
+        await asyncio.wait_for(entry.complete.wait(), timeout)
+        return list(entry.urls)
+
+    def park(self, req_id: str, part_idx: int, frames: Frames) -> None:
+        """Keep a message nobody registered for yet, until registrations complete or the TTL passes.
+
+        The frames hold views of the embedding, which keeps its memory alive while parked."""
+        nbytes = sum(len(frame) for frame in frames)
+        if self.parked_bytes + nbytes > self.max_parked_bytes:
+            log.warning("not keeping %s for late registration: %d bytes already parked", req_id, self.parked_bytes)
+            return
+        entry = self._entry(req_id, count=None)
+        entry.parked[part_idx] = (frames, nbytes)
+        self.parked_bytes += nbytes
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class Delivery:
+    """Pushes finished parts to their destinations, and failure notices when a part fails."""
+
+    def __init__(self, sender: EmbeddingSender, wire: WireFormat, metrics: ServerMetrics, send_timeout_s: float,
+                 registration_ttl_s: float) -> None:
+        self.sender = sender
+        self.wire = wire
+        self.metrics = metrics
+        self.send_timeout_s = send_timeout_s
+        self._registration_ttl_s = registration_ttl_s
+        self.registrations: Registrations | None = None  # made in start(): it needs the running loop
+        self._background: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self.registrations = Registrations(self.sender, ttl_s=self._registration_ttl_s)
+
+    async def close(self) -> None:
+        if self.registrations is not None:
+            await self.registrations.close()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self.sender.close()
+
+    def register(self, req_id: str, url: str, count: int) -> int:
+        """`/scheduler_receive_url`: add a receiver for `req_id` (ValueError on a count clash)."""
+        return self.registrations.register(req_id, url, count)
+
+    async def deliver(self, meta: PartMeta, endpoints: Sequence[str], part: EncodedPart,
+                      returned_inline: bool) -> float:
+        """Push the part to every destination; seconds spent. 502 when one does not take it.
+
+        With no destination, the part is parked for late registrants unless the caller gets it inline."""
+        started = time.perf_counter()
+        destinations = list(endpoints)
+        if self.registrations.wanted(meta.req_id):
+            try:
+                destinations += await self.registrations.receivers(meta.req_id, self.send_timeout_s)
+            except (asyncio.TimeoutError, KeyError):
+                raise EncodeError(502, f"the receivers registered for {meta.req_id!r} did not reach their "
+                                       f"receive_count within {self.send_timeout_s:g} s", meta.req_id) from None
+        frames = self.wire.success_frames(meta, part)
+        if not destinations:
+            if not returned_inline:
+                self.registrations.park(meta.req_id, meta.part_idx, frames)
+            return 0.0
+        try:
+            sent = await self.sender.send(list(dict.fromkeys(destinations)), frames)
+        except DeliveryError as exc:
+            raise EncodeError(502, f"could not deliver the embedding: {exc}", meta.req_id) from None
+        elapsed = time.perf_counter() - started
+        self.metrics.transfer.labels(meta.modality).observe(elapsed)
+        self.metrics.bytes_sent.inc(sent)
+        return elapsed
+
+    def notify_failure(self, meta: PartMeta, endpoints: Sequence[str], error: EncodeError) -> None:
+        """Tell the part's destinations, in the background, that it failed."""
+        destinations = list(endpoints)
+        if self.registrations.wanted(meta.req_id):
+            destinations += self.registrations.known_receivers(meta.req_id)
+        if not destinations:
+            return
+        frames = self.wire.failure_frames(meta, error.status, error.message)
+        task = asyncio.get_running_loop().create_task(self._send_failure(list(dict.fromkeys(destinations)), meta,
+                                                                          frames))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_failure(self, destinations: list[str], meta: PartMeta, frames: Frames) -> None:
+        try:
+            await self.sender.send(destinations, frames)
+        except DeliveryError as exc:
+            log.warning("could not tell %s's destinations that it failed: %s", meta.req_id, exc)

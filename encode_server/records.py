@@ -1,0 +1,99 @@
+"""The typed records that flow one way through the service.
+
+Each stage builds its record once and never changes it (a later stage that adds something makes a
+new record with `dataclasses.replace`):
+
+- `EncodeJob`: an admitted request part, with its items decoded and their expected layouts
+  (built by the service, read by the scheduler, the engine and the parallel ranks);
+- `Timings`: where a request's time went, in milliseconds;
+- `EncodedPart`: what the engine hands back for one job (its rows and layouts, the batch size, the
+  preprocess and encode timings); the scheduler returns a copy with the queue time filled in;
+- `EncodeError`: any failure, carrying the HTTP status it maps to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from processors import ItemLayout
+
+
+class EncodeError(Exception):
+    """A request that ends in an error response: status code, message, and optional headers."""
+
+    def __init__(self, status: int, message: str, req_id: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.req_id = req_id
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.req_id)
+
+
+def error_body(message: str, req_id: str | None = None) -> dict[str, Any]:
+    """The JSON body of every error response (docs/CONTRACT.md, section 2)."""
+    return {"status": "error", "message": message, "req_id": req_id}
+
+
+@dataclass(frozen=True)
+class PartMeta:
+    """Which request part a message is about: what every wire format and response names."""
+
+    req_id: str
+    part_idx: int
+    num_parts: int
+    modality: str
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One request part, validated, with decoded items and their expected layouts."""
+
+    meta: PartMeta
+    items: tuple[Any, ...]  # decoded media (PIL images, frame lists, waveforms)
+    layouts: tuple[ItemLayout, ...]
+    raw_items: tuple[Any, ...] = ()  # each item's file bytes (or frames' bytes), for tensor-parallel ranks
+    decode_s: float = 0.0  # time spent fetching and decoding the items
+    probe: bool = False  # a health probe: runs alone as soon as there is room, never waits for company
+
+    @property
+    def req_id(self) -> str:
+        return self.meta.req_id
+
+    @property
+    def modality(self) -> str:
+        return self.meta.modality
+
+    @property
+    def tokens(self) -> int:
+        return sum(layout.tokens for layout in self.layouts)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where one request's time went, in milliseconds."""
+
+    queue: float = 0.0
+    preprocess: float = 0.0
+    encode: float = 0.0
+    transfer: float = 0.0
+
+    def as_json(self) -> dict[str, float]:
+        return {"queue": self.queue, "preprocess": self.preprocess, "encode": self.encode,
+                "transfer": self.transfer}
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """A finished job: its embedding rows `[tokens, row width]` on the CPU, layouts, batch size, timings."""
+
+    embedding: torch.Tensor
+    layouts: tuple[ItemLayout, ...]
+    batch_size: int
+    timings: Timings = Timings()

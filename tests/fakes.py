@@ -1,0 +1,81 @@
+"""In-process stand-ins for time and for the encoder, so scheduler and service rules run without sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
+
+
+class FakeClock:
+    """A clock that moves only when told to; `wait` returns on the event or when `advance` passes its timeout."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.time = start
+        self._sleepers: list[tuple[float, asyncio.Future]] = []
+
+    def now(self) -> float:
+        return self.time
+
+    async def wait(self, event: asyncio.Event, timeout: float | None) -> None:
+        if event.is_set():
+            return
+        woken = asyncio.ensure_future(event.wait())
+        waiters = {woken}
+        if timeout is not None:
+            timer = asyncio.get_running_loop().create_future()
+            self._sleepers.append((self.time + timeout, timer))
+            waiters.add(timer)
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def advance(self, seconds: float) -> None:
+        """Move time on, wake the sleepers whose timeout passed, and let the loop run what follows."""
+        self.time += seconds
+        due = [timer for deadline, timer in self._sleepers if deadline <= self.time]
+        self._sleepers = [(deadline, timer) for deadline, timer in self._sleepers if deadline > self.time]
+        for timer in due:
+            if not timer.done():
+                timer.set_result(None)
+        await settle()
+
+
+async def settle(rounds: int = 20) -> None:
+    """Let every ready task run (the scheduler, batch tasks, futures' callbacks)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+class FakeEngine:
+    """Records each batch it is given; answers each job with `tokens` rows of its index, or holds the
+    batch until `release()` when `hold` is set."""
+
+    def __init__(self, hold: bool = False, width: int = 4) -> None:
+        self.batches: list[list[str]] = []
+        self.hold = hold
+        self.width = width
+        self.running = 0
+        self.most_running = 0
+        self._gate = asyncio.Event()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    async def encode(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
+        self.batches.append([job.req_id for job in jobs])
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            if self.hold:
+                await self._gate.wait()
+            return [EncodedPart(embedding=torch.full((job.tokens, self.width), float(index)), layouts=job.layouts,
+                                batch_size=len(jobs), timings=Timings(encode=1.0))
+                    for index, job in enumerate(jobs)]
+        finally:
+            self.running -= 1
