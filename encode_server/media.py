@@ -278,6 +278,32 @@ class LoadedItem:
     raw: bytes | list[bytes] = b""
 
 
+@dataclass(frozen=True)
+class RawItem:
+    """One item's bytes as received or fetched (a video's frames: a list), not yet decoded, and their digest."""
+
+    source: MediaSource
+    data: bytes | list[bytes]
+    digest: Any
+
+
+#: Inline items up to this many base64 characters (or fetched bytes) are read on the event loop.
+INLINE_READ_LIMIT = 96 * 1024
+
+
+def _small_inline(parts: Any) -> bool:
+    """Whether reading these parts is cheap enough for the event loop: no file, little data."""
+    total = 0
+    for part in parts if isinstance(parts, list) else [parts]:
+        if isinstance(part, MediaSource):
+            if part.kind == "file":
+                return False
+            total += len(part.value)
+        else:
+            total += len(part)
+    return total <= INLINE_READ_LIMIT
+
+
 class MediaLoader:
     """Fetches and decodes items; decoding runs in `pool`, fetching on one shared aiohttp session."""
 
@@ -315,6 +341,47 @@ class MediaLoader:
             if isinstance(result, BaseException):
                 raise result
         return list(results)  # type: ignore[arg-type]
+
+    async def read(self, modality: str, sources: Sequence[MediaSource],
+                   digest: Callable[[bytes | list[bytes]], Any]) -> list[RawItem]:
+        """Every item's bytes (URLs fetched, inline items un-base64'd, files read, a video's frame files
+        one by one) and `digest` of them, without decoding; the first item's error in item order.
+
+        Small inline items are read on the event loop (a thread hop costs more than the work); the rest
+        in the pool. This is where the embedding cache looks items up: raw bytes known, not yet decoded.
+        """
+        results = await asyncio.gather(*(self._read_one(modality, source, digest) for source in sources),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)  # type: ignore[arg-type]
+
+    async def _read_one(self, modality: str, source: MediaSource,
+                        digest: Callable[[bytes | list[bytes]], Any]) -> RawItem:
+        if source.kind == "frames":
+            if len(source.value) > self.limits.max_video_frames:
+                raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
+                                                  f"{self.limits.max_video_frames}")
+            parts: bytes | MediaSource | list[bytes | MediaSource] = [
+                await self._raw_bytes(frame, "image") for frame in source.value]
+        else:
+            parts = await self._raw_bytes(source, modality)
+        if _small_inline(parts):
+            return self._materialise(source, parts, digest)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._materialise, source, parts, digest)
+
+    def _materialise(self, source: MediaSource, parts: Any, digest: Callable[[bytes | list[bytes]], Any]) -> RawItem:
+        data = [self._bytes_of(part) for part in parts] if isinstance(parts, list) else self._bytes_of(parts)
+        return RawItem(source, data, digest(data))
+
+    async def decode_read(self, modality: str, item: RawItem, describe: Callable[[str, Any], Any]) -> LoadedItem:
+        """Decode an item `read` returned (in the pool)."""
+        loop = asyncio.get_running_loop()
+        if isinstance(item.data, list):
+            return await loop.run_in_executor(self._pool, self._decode_frames, item.data, item.source, modality,
+                                              describe)
+        return await loop.run_in_executor(self._pool, self._decode, item.data, item.source, modality, describe)
 
     async def _load_one(self, modality: str, source: MediaSource,
                         describe: Callable[[str, Any], Any]) -> LoadedItem:
