@@ -165,8 +165,7 @@ class EncoderService:
         job = EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
                         decode_s=decode_s, probe=probe)
-        part = await self.scheduler.submit(job, deadline)
-        return part if probe else dataclasses.replace(part, cached=(False,) * len(part.layouts))
+        return await self.scheduler.submit(job, deadline)
 
     async def _encode_through_cache(self, meta: PartMeta, sources: list[MediaSource], started: float) -> EncodedPart:
         """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
