@@ -350,6 +350,8 @@ class MediaLoader:
         Small inline items are read on the event loop (a thread hop costs more than the work); the rest
         in the pool. This is where the embedding cache looks items up: raw bytes known, not yet decoded.
         """
+        if all(source.kind in ("base64", "data_uri") for source in sources) and _small_inline(list(sources)):
+            return [self._materialise(source, source, digest) for source in sources]  # the common case: no tasks
         results = await asyncio.gather(*(self._read_one(modality, source, digest) for source in sources),
                                        return_exceptions=True)
         for result in results:

@@ -212,10 +212,13 @@ class EncoderService:
                 exc.item_digest, exc.item_location = item.digest, item.source.location
                 raise
 
-        results = await asyncio.gather(*(decode(item) for item in items), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        if len(items) == 1:
+            results = [await decode(items[0])]
+        else:
+            results = await asyncio.gather(*(decode(item) for item in items), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         decode_s = time.perf_counter() - started
         self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
         job = EncodeJob(meta=meta, items=tuple(item.decoded for item in results),

@@ -280,3 +280,25 @@ def test_a_timed_out_owner_does_not_fail_the_requests_waiting_for_the_same_item(
     assert forwards(server)[0] - count_before == 1
     later = encode(server, "after-timeout", image).json()  # the result was kept, and it is the right one
     assert later["items"][0]["cached"] and np.array_equal(embedding_of(later), embedding_of(waiter.json()))
+
+
+def test_tensor_parallel_ranks_only_ever_see_the_missing_items():
+    """The cache lives on rank 0: a hit never reaches the ranks, a miss reaches all of them (the ranks'
+    layout agreement would fail the batch if they were sent different items)."""
+    a, b = b64(png_bytes(56, 84, seed=1000)), b64(png_bytes(84, 56, seed=1001))
+    reference = load_adapter("tiny-qwen2.5-vl", "cpu", "float32")
+    with ServerProcess(*CACHED, "--tp-size", "2") as tp_server:
+        first = encode(tp_server, "tp-first", [a]).json()
+        count_before, tokens_before = forwards(tp_server)
+        body = encode(tp_server, "tp-second", [a, b]).json()
+        count_after, tokens_after = forwards(tp_server)
+        assert [item["cached"] for item in body["items"]] == [True, False]
+        assert count_after - count_before == 1 and tokens_after - tokens_before == body["items"][1]["tokens"]
+        rows = item_rows(body)
+        assert np.array_equal(rows[0], embedding_of(first))
+        from PIL import Image
+
+        expected = reference.forward(reference.preprocess("image", [Image.open(io.BytesIO(base64.b64decode(b)))
+                                                                    .convert("RGB")])).numpy()
+        assert np.abs(rows[1] - expected).max() <= 1e-5 * np.abs(expected).max()
+        assert httpx.get(tp_server.url + "/health").status_code == 200
