@@ -143,6 +143,11 @@ class EmbeddingCache:
         """Keys being computed now."""
         return len(self._in_flight)
 
+    def probably_holds(self, key: Hashable) -> bool:
+        """Whether the key is stored or being computed: a hint that any thread may ask (two dict lookups,
+        atomic under the GIL), e.g. to skip decoding an item that will most likely be a hit."""
+        return key in self._entries or key in self._in_flight
+
     def get(self, key: Hashable) -> CachedItem | None:
         """The stored item (now the most recently used), or None. Counts nothing: `resolve` does."""
         item = self._entries.get(key)

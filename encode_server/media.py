@@ -280,28 +280,13 @@ class LoadedItem:
 
 @dataclass(frozen=True)
 class RawItem:
-    """One item's bytes as received or fetched (a video's frames: a list), not yet decoded, and their digest."""
+    """One item's bytes as received or fetched (a video's frames: a list) and their digest; `loaded` is the
+    item decoded when `MediaLoader.read` expected the cache to miss it, else None."""
 
     source: MediaSource
     data: bytes | list[bytes]
     digest: Any
-
-
-#: Inline items up to this many base64 characters (or fetched bytes) are read on the event loop.
-INLINE_READ_LIMIT = 96 * 1024
-
-
-def _small_inline(parts: Any) -> bool:
-    """Whether reading these parts is cheap enough for the event loop: no file, little data."""
-    total = 0
-    for part in parts if isinstance(parts, list) else [parts]:
-        if isinstance(part, MediaSource):
-            if part.kind == "file":
-                return False
-            total += len(part.value)
-        else:
-            total += len(part)
-    return total <= INLINE_READ_LIMIT
+    loaded: LoadedItem | None = None
 
 
 class MediaLoader:
@@ -342,25 +327,25 @@ class MediaLoader:
                 raise result
         return list(results)  # type: ignore[arg-type]
 
-    async def read(self, modality: str, sources: Sequence[MediaSource],
-                   digest: Callable[[bytes | list[bytes]], Any]) -> list[RawItem]:
-        """Every item's bytes (URLs fetched, inline items un-base64'd, files read, a video's frame files
-        one by one) and `digest` of them, without decoding; the first item's error in item order.
+    async def read(self, modality: str, sources: Sequence[MediaSource], digest: Callable[[bytes | list[bytes]], Any],
+                   describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> list[RawItem]:
+        """Every item's bytes (URLs fetched, inline items un-base64'd, files read, a video's frame files one
+        by one) and `digest` of them; the first item's error in item order. This is where the embedding
+        cache looks items up: raw bytes known, not yet decoded.
 
-        Small inline items are read on the event loop (a thread hop costs more than the work); the rest
-        in the pool. This is where the embedding cache looks items up: raw bytes known, not yet decoded.
+        In the same trip to the pool, an item whose digest is not `known` (a thread-safe hint: the cache
+        holds it or is computing it) is decoded at once, so a miss costs no second trip; a known one is
+        left undecoded (`loaded` None): a hit skips decoding.
         """
-        if all(source.kind in ("base64", "data_uri") for source in sources) and _small_inline(list(sources)):
-            return [self._materialise(source, source, digest) for source in sources]  # the common case: no tasks
-        results = await asyncio.gather(*(self._read_one(modality, source, digest) for source in sources),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._read_one(modality, source, digest, describe, known)
+                                         for source in sources), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return list(results)  # type: ignore[arg-type]
 
-    async def _read_one(self, modality: str, source: MediaSource,
-                        digest: Callable[[bytes | list[bytes]], Any]) -> RawItem:
+    async def _read_one(self, modality: str, source: MediaSource, digest: Callable[[bytes | list[bytes]], Any],
+                        describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> RawItem:
         if source.kind == "frames":
             if len(source.value) > self.limits.max_video_frames:
                 raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
@@ -369,16 +354,23 @@ class MediaLoader:
                 await self._raw_bytes(frame, "image") for frame in source.value]
         else:
             parts = await self._raw_bytes(source, modality)
-        if _small_inline(parts):
-            return self._materialise(source, parts, digest)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._materialise, source, parts, digest)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._read_in_pool, modality, source, parts, digest, describe, known)
 
-    def _materialise(self, source: MediaSource, parts: Any, digest: Callable[[bytes | list[bytes]], Any]) -> RawItem:
+    def _read_in_pool(self, modality: str, source: MediaSource, parts: Any, digest: Callable[[Any], Any],
+                      describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> RawItem:
         data = [self._bytes_of(part) for part in parts] if isinstance(parts, list) else self._bytes_of(parts)
-        return RawItem(source, data, digest(data))
+        key = digest(data)
+        if known(key):
+            return RawItem(source, data, key)
+        if isinstance(data, list):
+            return RawItem(source, data, key, self._decode_frames(data, source, modality, describe))
+        return RawItem(source, data, key, self._decode(data, source, modality, describe))
 
     async def decode_read(self, modality: str, item: RawItem, describe: Callable[[str, Any], Any]) -> LoadedItem:
-        """Decode an item `read` returned (in the pool)."""
+        """An item `read` returned, decoded (at once when `read` already did it, else in the pool)."""
+        if item.loaded is not None:
+            return item.loaded
         loop = asyncio.get_running_loop()
         if isinstance(item.data, list):
             return await loop.run_in_executor(self._pool, self._decode_frames, item.data, item.source, modality,

@@ -174,7 +174,8 @@ class EncoderService:
         The missing items' decode and encode run in the cache's shared computation, detached from this
         request: if it is cancelled or times out, requests waiting for the same items still get them.
         """
-        read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality))
+        read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality),
+                                     self.adapter.item_layout, self.cache.probably_holds)
         read_s = time.perf_counter() - started
         own: list[EncodedPart] = []
 
