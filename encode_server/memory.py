@@ -76,3 +76,12 @@ def resident_bytes(pid: int | str = "self") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def cpu_seconds(pid: int | str = "self") -> float | None:
+    """A process's user plus system CPU time so far (Linux `/proc`), or None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

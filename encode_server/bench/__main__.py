@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from ..memory import resident_bytes
+from ..memory import cpu_seconds, resident_bytes
 from .launcher import ServerProcess
 from .load import closed_loop, make_payloads, open_loop
 from .workloads import WORKLOADS, make_workload
@@ -87,9 +87,11 @@ def scrape(url: str) -> dict[str, float]:
     return totals
 
 
-def point_metrics(before: dict[str, float], after: dict[str, float], pid: int | None) -> dict:
-    """The cache hit rate, tokens encoded and forwards during a point; memory held at its end."""
+def point_metrics(before: dict[str, float], after: dict[str, float], pid: int | None, requests: int = 0) -> dict:
+    """The cache hit rate, tokens encoded, forwards and the server's CPU time per request during a point
+    (`_cpu_s` in the snapshots); memory held at its end."""
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in POINT_METRICS}
+    cpu = after.get("_cpu_s", 0.0) - before.get("_cpu_s", 0.0) if "_cpu_s" in before else None
     lookups = delta["encoder_cache_hits_total"] + delta["encoder_cache_misses_total"]
     rss = resident_bytes(pid) if pid else None
     return {
@@ -98,6 +100,7 @@ def point_metrics(before: dict[str, float], after: dict[str, float], pid: int | 
         "forwards": int(delta["encoder_forward_seconds_count"]),
         "rss_mib": rss / 2**20 if rss else None,
         "cache_mib": after.get("encoder_cache_bytes", 0.0) / 2**20 if "encoder_cache_bytes" in after else None,
+        "server_cpu_ms_per_request": 1e3 * cpu / requests if cpu is not None and requests else None,
     }
 
 
@@ -112,13 +115,18 @@ def sweep(url: str, config: str, args, workload, pid: int | None = None) -> list
 
         def snapshot(before: dict[str, float] = before) -> None:  # after the warm-up, before the clock starts
             before.update(scrape(url))
+            if pid and cpu_seconds(pid) is not None:
+                before["_cpu_s"] = cpu_seconds(pid)
 
         point = asyncio.run(generator(url, config, load, total, args.modality, workload, bar,
                                       on_start=snapshot)).as_dict()
         if bar is not None:
             bar.close()
         point["workload"] = workload.name
-        point.update(point_metrics(before, scrape(url), pid))
+        after = scrape(url)
+        if pid and cpu_seconds(pid) is not None:
+            after["_cpu_s"] = cpu_seconds(pid)
+        point.update(point_metrics(before, after, pid, point["requests"]))
         report(point)
         results.append(point)
     return results
@@ -133,6 +141,8 @@ def report(point: dict) -> None:
         extras += f"  rss {point['rss_mib']:6.0f} MiB"
     if point.get("cache_mib") is not None:
         extras += f"  cache {point['cache_mib']:6.1f} MiB"
+    if point.get("server_cpu_ms_per_request") is not None:
+        extras += f"  cpu {point['server_cpu_ms_per_request']:5.2f} ms/req"
     print(f"{point.get('workload', ''):7s}{point['config']:10s} {point['mode']:6s} {load:>8s}  "
           f"{point['throughput_rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f}  p99 {point['p99_ms']:7.1f} ms  "
           f"batch {point['mean_batch_size']:5.1f}  errors {point['errors']}{extras}", flush=True)
@@ -155,7 +165,7 @@ def cache_comparison(points: list[dict]) -> list[dict]:
         if config != "cache-on" or off is None:
             continue
         row = {"workload": workload, "mode": mode, "load": load, "rounds": min(len(on), len(off))}
-        for field in ("throughput_rps", "p50_ms", "p99_ms", "rss_mib", "tokens_encoded"):
+        for field in ("throughput_rps", "p50_ms", "p99_ms", "rss_mib", "tokens_encoded", "server_cpu_ms_per_request"):
             row[f"{field}_on"], row[f"{field}_off"] = median(on, field), median(off, field)
         row["hit_rate"], row["cache_mib"] = median(on, "hit_rate"), median(on, "cache_mib")
         row["throughput_ratio"] = (row["throughput_rps_on"] / row["throughput_rps_off"]
@@ -164,9 +174,13 @@ def cache_comparison(points: list[dict]) -> list[dict]:
     for row in rows:
         load = f"c={row['load']:g}" if row["mode"] == "closed" else f"{row['load']:g}/s"
         hit = f"{100 * row['hit_rate']:.1f}%" if row["hit_rate"] is not None else "n/a"
+        cpu = ""
+        if row["server_cpu_ms_per_request_on"] is not None and row["server_cpu_ms_per_request_off"] is not None:
+            cpu = (f", server CPU {row['server_cpu_ms_per_request_on']:.2f} vs "
+                   f"{row['server_cpu_ms_per_request_off']:.2f} ms/req")
         print(f"cache {row['workload']:7s} {row['mode']:6s} {load:>8s}: on {row['throughput_rps_on']:7.1f} vs off "
               f"{row['throughput_rps_off']:7.1f} req/s (x{row['throughput_ratio'] or 0:.3f}), p99 "
-              f"{row['p99_ms_on']:.1f} vs {row['p99_ms_off']:.1f} ms, hit {hit} "
+              f"{row['p99_ms_on']:.1f} vs {row['p99_ms_off']:.1f} ms, hit {hit}{cpu} "
               f"(median of {row['rounds']} rounds)", flush=True)
     return rows
 
@@ -289,41 +303,40 @@ def main(argv=None) -> None:
         for name in args.workload:
             results["points"] += sweep(args.url, "given", args, workload(name))
         results["batch_histograms"]["given"] = batch_histogram(args.url)
+    servers = [] if args.url else [config for config in args.compare if config in SERVER_CONFIGS]
     for repeat in range(args.repeat):  # rounds alternate the configurations, so drifts in load hit all
-        for config in [] if args.url else args.compare:
-            if config in SERVER_CONFIGS:
-                for name in args.workload:
-                    with ServerProcess(*server_flags(config, args)) as server:
-                        points = sweep(server.url, config, args, workload(name), server.proc.pid)
-                        results["points"] += [{**point, "repeat": repeat} for point in points]
-                        results["batch_histograms"][label(config, name)] = batch_histogram(server.url)
-            elif repeat > 0:
-                continue  # the Ray peer and the ceiling run once
-            elif config == "ray":
-                try:
-                    import ray  # noqa: F401
-                    from ray import serve  # noqa: F401
-                except ImportError:
-                    results["skipped"]["ray"] = "ray[serve] is not installed (pip install -e '.[bench]')"
-                    print("ray: skipped (ray[serve] is not installed)", flush=True)
-                    continue
-                if args.modality != "image":
-                    results["skipped"]["ray"] = "the Ray Serve peer serves images only"
-                    continue
-                for name in args.workload:
-                    with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size),
-                                       "--max-wait-ms", str(args.max_wait_ms), module="encode_server.bench.ray_peer",
-                                       startup_timeout=300) as server:
-                        results["points"] += sweep(server.url, "ray", args, workload(name))
-            elif config == "ceiling":
-                from .ceiling import ceiling
+        for name in args.workload:  # the configurations of one workload run back to back
+            for config in servers:
+                with ServerProcess(*server_flags(config, args)) as server:
+                    points = sweep(server.url, config, args, workload(name), server.proc.pid)
+                    results["points"] += [{**point, "repeat": repeat} for point in points]
+                    results["batch_histograms"][label(config, name)] = batch_histogram(server.url)
+    for config in [] if args.url else [config for config in args.compare if config not in SERVER_CONFIGS]:
+        if config == "ray":
+            try:
+                import ray  # noqa: F401
+                from ray import serve  # noqa: F401
+            except ImportError:
+                results["skipped"]["ray"] = "ray[serve] is not installed (pip install -e '.[bench]')"
+                print("ray: skipped (ray[serve] is not installed)", flush=True)
+                continue
+            if args.modality != "image":
+                results["skipped"]["ray"] = "the Ray Serve peer serves images only"
+                continue
+            for name in args.workload:
+                with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size),
+                                   "--max-wait-ms", str(args.max_wait_ms), module="encode_server.bench.ray_peer",
+                                   startup_timeout=300) as server:
+                    results["points"] += sweep(server.url, "ray", args, workload(name))
+        elif config == "ceiling":
+            from .ceiling import ceiling
 
-                results["ceiling"] = ceiling(args.model, args.modality, payloads, args.max_batch_size)
-                print(f"ceiling    batch {args.max_batch_size}: processor+forward "
-                      f"{results['ceiling']['processor_and_forward_rps']:.1f} req/s, forward only "
-                      f"{results['ceiling']['forward_only_rps']:.1f} req/s", flush=True)
-            else:
-                raise SystemExit(f"encode-bench: unknown configuration {config!r}")
+            results["ceiling"] = ceiling(args.model, args.modality, payloads, args.max_batch_size)
+            print(f"ceiling    batch {args.max_batch_size}: processor+forward "
+                  f"{results['ceiling']['processor_and_forward_rps']:.1f} req/s, forward only "
+                  f"{results['ceiling']['forward_only_rps']:.1f} req/s", flush=True)
+        else:
+            raise SystemExit(f"encode-bench: unknown configuration {config!r}")
     results["cache_comparison"] = cache_comparison(results["points"])
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     written = plot(results, args.out)
