@@ -68,7 +68,9 @@ class CachedItem:
     @classmethod
     def compact(cls, rows: torch.Tensor, layout: Any) -> CachedItem:
         """A copy of `rows` in storage of its own, so that caching it never pins a batch's tensor."""
-        return cls(rows.detach().to("cpu").clone(memory_format=torch.contiguous_format), layout)
+        if rows.device.type != "cpu":
+            rows = rows.to("cpu")
+        return cls(rows.detach().clone(memory_format=torch.contiguous_format), layout)
 
     @property
     def nbytes(self) -> int:

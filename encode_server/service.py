@@ -196,7 +196,11 @@ class EncoderService:
         timings = part.timings if part else Timings()
         timings = dataclasses.replace(timings, preprocess=timings.preprocess + read_s * 1e3)
         self.metrics.preprocess.labels(meta.modality, "read").observe(read_s)
-        return EncodedPart(embedding=rows[0] if len(rows) == 1 else torch.cat(rows),
+        if part is not None and len(part.layouts) == len(rows):  # every item encoded here, in order: no copy
+            embedding = part.embedding
+        else:
+            embedding = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return EncodedPart(embedding=embedding,
                            layouts=tuple(result.item.layout for result in resolved),
                            batch_size=part.batch_size if part else 0, timings=timings,
                            cached=tuple(result.cached for result in resolved))
