@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +46,11 @@ class Ticket:
 class Admission:
     """Validates requests, admits them or refuses them, and counts those in flight."""
 
-    def __init__(self, settings: Settings, adapter: EncoderAdapter, metrics: ServerMetrics, clock: Clock) -> None:
+    def __init__(self, settings: Settings, adapter: EncoderAdapter, metrics: ServerMetrics, clock: Clock,
+                 evict: Callable[[int], bool] | None = None) -> None:
         self.settings = settings
+        # At --max-pending, `evict(priority)` may fail a queued request of lower priority to make room.
+        self.evict = evict
         self.adapter = adapter
         self.metrics = metrics
         self.clock = clock
@@ -77,6 +80,9 @@ class Admission:
         if request.timeout_s is not None and request.timeout_s > self.settings.req_timeout_s:
             raise EncodeError(400, f"timeout_s {request.timeout_s:g} is above the server's limit of "
                                    f"{self.settings.req_timeout_s:g} s", request.req_id)
+        if request.priority > self.settings.max_priority:
+            raise EncodeError(400, f"priority: must be at most {self.settings.max_priority} (--max-priority), "
+                                   f"got {request.priority}", request.req_id)
         meta = PartMeta(req_id=request.req_id, part_idx=request.part_idx, num_parts=request.num_parts,
                         modality=request.modality)
         return request, meta, self._endpoints(request)
@@ -84,10 +90,10 @@ class Admission:
     @staticmethod
     def _endpoints(request: EncodeRequest) -> list[str]:
         ports = request.embedding_port
-        if ports is None and request.prefill_host is None:
+        if ports is None:  # with prefill_host: SGLang's zmq_to_scheduler form, its ranks register (delivery)
             return []
-        if ports is None or request.prefill_host is None:
-            raise EncodeError(400, "prefill_host and embedding_port go together", request.req_id)
+        if request.prefill_host is None:
+            raise EncodeError(400, "embedding_port needs prefill_host", request.req_id)
         ports = [ports] if isinstance(ports, int) else ports
         if not ports:
             raise EncodeError(400, "embedding_port: an empty list names no destination", request.req_id)
@@ -111,7 +117,8 @@ class Admission:
         """Admit a request for the duration of the block, or raise its 503/409."""
         key = (request.req_id, request.part_idx)
         error = self.refusal()
-        if error is None and len(self._in_flight) >= self.settings.max_pending:
+        if error is None and len(self._in_flight) >= self.settings.max_pending and (
+                key in self._in_flight or not self._evicted_for(request)):
             error = EncodeError(503, f"overloaded: {self.settings.max_pending} requests pending",
                                 headers={"Retry-After": "1"})
         if error is None and key in self._in_flight:
@@ -133,10 +140,14 @@ class Admission:
             self.metrics.pending.set(len(self._in_flight))
             self.metrics.requests_total.labels(request.modality, ticket.status).inc()
             elapsed = self.clock.now() - ticket.started
-            self.metrics.request_duration.labels(request.modality).observe(elapsed)
+            self.metrics.request_duration.labels(request.modality, str(request.priority)).observe(elapsed)
             log.debug("request req_id=%s part=%d modality=%s items=%d status=%s duration_ms=%.1f",
                       request.req_id, request.part_idx, request.modality, len(request.mm_items), ticket.status,
                       elapsed * 1e3)
+
+    def _evicted_for(self, request: EncodeRequest) -> bool:
+        """At the cap, a request of priority above 0 may take the place of a queued lower-priority one."""
+        return request.priority > 0 and self.evict is not None and self.evict(request.priority)
 
     # --- draining --------------------------------------------------------------------------------
 

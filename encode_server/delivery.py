@@ -3,9 +3,11 @@
 `Delivery` takes a finished request part and pushes it to its destinations: the `tcp://host:port`
 endpoints the request named (`prefill_host` + `embedding_port`) and the receivers registered for its
 `req_id` through `/scheduler_receive_url` (delivery waits until `receive_count` distinct ones are
-in). An embedding that finished before anyone registered is parked for late registrants. When a
-request fails after admission, its destinations get an error message, so prefill ranks never wait
-for it.
+in). An embedding that finished before anyone registered is parked for late registrants. A request
+that names `prefill_host` without `embedding_port` (SGLang's `zmq_to_scheduler` form) goes only to
+its registered receivers, and waits for them up to the send timeout (then 502). When a request fails
+after admission, its destinations get an error message, so prefill ranks never wait for it; a request
+waiting for registrations keeps that message for the receivers that register after it failed.
 
 What the frames hold is a `WireFormat`'s business (`NativeWire`: a JSON header and the raw bytes,
 docs/CONTRACT.md section 3); moving frames is `transfer.EmbeddingSender`'s.
@@ -48,7 +50,8 @@ class NativeWire:
 
     def __init__(self, adapter: EncoderAdapter) -> None:
         self._dtype = DTYPE_NAMES[adapter.dtype]
-        self._width = adapter.info.hidden_size
+        self._width = adapter.info.row_width
+        self._deepstack = adapter.info.deepstack
 
     def header(self, meta: PartMeta, part: EncodedPart | None, error: dict | None = None) -> Header:
         return Header(
@@ -56,7 +59,7 @@ class NativeWire:
             dtype=DTYPE_NAMES[part.embedding.dtype] if part is not None else self._dtype,
             shape=tuple(part.embedding.shape) if part is not None else (0, self._width),
             items=part.items_json() if part is not None else [],
-            error=error,
+            error=error, deepstack=self._deepstack,
         )
 
     def success_frames(self, meta: PartMeta, part: EncodedPart) -> Frames:
@@ -75,6 +78,7 @@ class _Registration:
     urls: list[str] = field(default_factory=list)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     parked: dict[int, tuple[Frames, int]] = field(default_factory=dict)  # part_idx -> (frames, bytes)
+    failure: Frames | None = None  # the failure message every later registrant gets at once
 
 
 class Registrations:
@@ -113,14 +117,29 @@ class Registrations:
             raise ValueError(f"receive_count {count} differs from the {entry.count} registered before for {req_id!r}")
         if url not in entry.urls:
             entry.urls.append(url)
+            if entry.failure is not None:
+                self._background(self._deliver_failure(req_id, url, entry.failure))
         if len(entry.urls) >= entry.count and not entry.complete.is_set():
             entry.complete.set()
             for frames, _ in entry.parked.values():
-                task = asyncio.get_running_loop().create_task(self._deliver_parked(req_id, entry, frames))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._background(self._deliver_parked(req_id, entry, frames))
             self._unpark(entry)
         return len(entry.urls)
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _deliver_failure(self, req_id: str, url: str, frames: Frames) -> None:
+        try:
+            await self.sender.send([url], frames)
+        except DeliveryError as exc:
+            log.warning("could not tell a late receiver that %s failed: %s", req_id, exc)
+
+    def park_failure(self, req_id: str, frames: Frames) -> None:
+        """Keep a failure message for receivers that register after the request failed (until the TTL)."""
+        self._entry(req_id, count=None).failure = frames
 
     async def _deliver_parked(self, req_id: str, entry: _Registration, frames: Frames) -> None:
         try:
@@ -139,7 +158,7 @@ class Registrations:
 
     async def receivers(self, req_id: str, timeout: float) -> list[str]:
         """The registered receivers once `receive_count` are in; TimeoutError after `timeout`."""
-        entry = self._by_req[req_id]
+        entry = self._entry(req_id, count=None)
         await asyncio.wait_for(entry.complete.wait(), timeout)
         return list(entry.urls)
 
@@ -190,18 +209,24 @@ class Delivery:
         return self.registrations.register(req_id, url, count)
 
     async def deliver(self, meta: PartMeta, endpoints: Sequence[str], part: EncodedPart,
-                      returned_inline: bool) -> float:
+                      returned_inline: bool, await_registrations: bool = False) -> float:
         """Push the part to every destination; seconds spent. 502 when one does not take it.
 
-        With no destination, the part is parked for late registrants unless the caller gets it inline."""
+        `await_registrations`: the request's receivers register (SGLang's `prefill_host` with a null
+        `embedding_port`); wait for them. With no destination, the part is parked for late registrants
+        unless the caller gets it inline."""
         started = time.perf_counter()
         destinations = list(endpoints)
-        if self.registrations.wanted(meta.req_id):
+        if await_registrations or self.registrations.wanted(meta.req_id):
             try:
                 destinations += await self.registrations.receivers(meta.req_id, self.send_timeout_s)
-            except (asyncio.TimeoutError, KeyError):
-                raise EncodeError(502, f"the receivers registered for {meta.req_id!r} did not reach their "
-                                       f"receive_count within {self.send_timeout_s:g} s", meta.req_id) from None
+            except asyncio.TimeoutError:
+                known = len(self.registrations.known_receivers(meta.req_id))
+                error = EncodeError(502, f"the receivers registered for {meta.req_id!r} did not reach their "
+                                         f"receive_count within {self.send_timeout_s:g} s ({known} registered)",
+                                    meta.req_id)
+                self.notify_failure(meta, endpoints, error, await_registrations=True)
+                raise error from None
         frames = self.wire.success_frames(meta, part)
         if not destinations:
             if not returned_inline:
@@ -216,14 +241,18 @@ class Delivery:
         self.metrics.bytes_sent.inc(sent)
         return elapsed
 
-    def notify_failure(self, meta: PartMeta, endpoints: Sequence[str], error: EncodeError) -> None:
-        """Tell the part's destinations, in the background, that it failed."""
+    def notify_failure(self, meta: PartMeta, endpoints: Sequence[str], error: EncodeError,
+                       await_registrations: bool = False) -> None:
+        """Tell the part's destinations, in the background, that it failed (and, when its receivers
+        register, those that register later)."""
         destinations = list(endpoints)
         if self.registrations.wanted(meta.req_id):
             destinations += self.registrations.known_receivers(meta.req_id)
+        frames = self.wire.failure_frames(meta, error.status, error.message)
+        if await_registrations:
+            self.registrations.park_failure(meta.req_id, frames)
         if not destinations:
             return
-        frames = self.wire.failure_frames(meta, error.status, error.message)
         task = asyncio.get_running_loop().create_task(self._send_failure(list(dict.fromkeys(destinations)), meta,
                                                                           frames))
         self._background.add(task)

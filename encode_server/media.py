@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .url_guard import BlockedAddressError, GuardedConnector, content_type_refusal, resolve_local_path
 
@@ -130,7 +130,11 @@ def decode_data_uri(uri: str, location: str) -> bytes:
 
 
 def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
-    """An RGB image, refusing images larger than `max_pixels` from their header alone."""
+    """An RGB image, refusing images larger than `max_pixels` from their header alone.
+
+    Decoded as `transformers.image_utils.load_image` does: turned upright by its EXIF orientation
+    (`ImageOps.exif_transpose`), then converted to RGB, so the grid is the one the prefill side sees.
+    """
     if not data:
         raise MediaError(location, "empty image data")
     try:
@@ -150,7 +154,7 @@ def decode_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
         )
     try:
         image.load()
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")
     except Exception as exc:
         raise MediaError(location, f"cannot decode image: {exc}") from None
 

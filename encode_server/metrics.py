@@ -121,7 +121,7 @@ class ServerMetrics:
             "encoder_batch_tokens", "Encoder output tokens in one forward", ["modality"],
             buckets=TOKEN_BUCKETS, registry=r)
         self.queue_wait = Histogram(
-            "encoder_queue_wait_seconds", "Time from admission to dispatch in a batch", ["modality"],
+            "encoder_queue_wait_seconds", "Time from admission to dispatch in a batch", ["modality", "priority"],
             buckets=SECONDS_BUCKETS, registry=r)
         self.preprocess = Histogram(
             "encoder_preprocess_seconds",
@@ -133,7 +133,8 @@ class ServerMetrics:
             "encoder_transfer_seconds", "Delivering one request's embedding", ["modality"],
             buckets=SECONDS_BUCKETS, registry=r)
         self.request_duration = Histogram(
-            "encoder_request_duration_seconds", "Whole /encode requests, admission to answer", ["modality"],
+            "encoder_request_duration_seconds", "Whole /encode requests, admission to answer",
+            ["modality", "priority"],
             buckets=SECONDS_BUCKETS, registry=r)
         self.pending = Gauge("encoder_pending_requests", "Admitted but unfinished requests", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting in the scheduler queue", registry=r)
@@ -144,6 +145,9 @@ class ServerMetrics:
         self.bytes_sent = Counter(
             "encoder_embedding_bytes_sent_total", "Embedding bytes sent to callers and prefill ranks",
             registry=r)
+        self.evictions = Counter(
+            "encoder_evictions_total", "Queued requests failed 503 to admit a higher-priority one at --max-pending",
+            ["modality", "priority"], registry=r)
         self.performance = PerformanceWindow()
 
     def render(self) -> bytes:

@@ -9,6 +9,7 @@ after `ttl_s`, and the oldest go first when more than `max_bytes` are held.
     receiver = EmbeddingReceiver()                 # binds tcp://127.0.0.1:<free port>
     ...post /encode with embedding_port=receiver.port, or register receiver.endpoint...
     result = receiver.get("req-1", timeout=30)     # result.tensor: [tokens, dim]
+    result.main, result.deepstack                  # Qwen3-VL: [tokens, hidden] and k such views
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ class ReceivedEmbedding:
     dtype: str
     items: list[dict[str, Any]]
     num_parts: int
+    #: Deepstack blocks after the main features in each row (the header's `deepstack`, 0 when absent).
+    num_deepstack: int = 0
+
+    @property
+    def main(self) -> torch.Tensor:
+        """The main features, `[tokens, hidden]` (a view; the whole tensor when there is no deepstack)."""
+        return self._blocks()[0]
+
+    @property
+    def deepstack(self) -> list[torch.Tensor]:
+        """The deepstack features, `num_deepstack` views of `[tokens, hidden]`, in layer order."""
+        return list(self._blocks()[1:])
+
+    def _blocks(self) -> tuple[torch.Tensor, ...]:
+        if self.num_deepstack == 0:
+            return (self.tensor,)
+        return torch.split(self.tensor, self.tensor.shape[-1] // (1 + self.num_deepstack), dim=-1)
 
 
 @dataclass
@@ -220,10 +238,13 @@ class EmbeddingReceiver:
         parts = [pending.parts[index] for index in range(pending.num_parts)]
         tensors = [tensor for _, tensor in parts]
         first = parts[0][0]
+        if any(header.deepstack != first.deepstack for header, _ in parts):
+            raise EmbeddingError(req_id, "wire", "the parts disagree on the number of deepstack blocks: "
+                                 f"{[header.deepstack for header, _ in parts]}")
         return ReceivedEmbedding(
             req_id=req_id, tensor=torch.cat(tensors) if len(tensors) > 1 else tensors[0], modality=first.modality,
             dtype=first.dtype, items=[item for header, _ in parts for item in header.items],
-            num_parts=pending.num_parts,
+            num_parts=pending.num_parts, num_deepstack=first.deepstack,
         )
 
     async def aget(self, req_id: str, timeout: float | None = None) -> ReceivedEmbedding:

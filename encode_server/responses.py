@@ -24,9 +24,11 @@ def b64_embedding(embedding: torch.Tensor) -> str:
     return base64.b64encode(raw_bytes(embedding)).decode("ascii")
 
 
-async def encode_response(meta: PartMeta, part: EncodedPart, return_embedding: bool,
-                          metrics: ServerMetrics) -> dict[str, Any]:
-    """The 200 body for a delivered part (its `timings.transfer` already holds the ZMQ delivery)."""
+async def encode_response(meta: PartMeta, part: EncodedPart, return_embedding: bool, metrics: ServerMetrics,
+                          deepstack: int = 0) -> dict[str, Any]:
+    """The 200 body for a delivered part (its `timings.transfer` already holds the ZMQ delivery).
+
+    `deepstack` (k > 0 for models such as Qwen3-VL) says each row is `[main] + k deepstack blocks`."""
     embedding = part.embedding
     timings = part.timings
     response: dict[str, Any] = {
@@ -39,6 +41,8 @@ async def encode_response(meta: PartMeta, part: EncodedPart, return_embedding: b
         "items": part.items_json(),
         "batch_size": part.batch_size,
     }
+    if deepstack:
+        response["deepstack"] = deepstack
     if return_embedding:
         started = time.perf_counter()
         nbytes = embedding.numel() * embedding.element_size()

@@ -6,6 +6,13 @@ the pure policy (`policy.decide`) what to dispatch whenever the engine has room 
 otherwise sleeps until the next arrival, the next freed slot, or the policy's deadline. It never
 polls. Its time comes from an injectable `Clock`, so the rules are tested without sleeping.
 
+Each modality's queue is kept in the policy's order (priority, then deadline, then arrival: a
+`PolicyQueue`, O(log n) per submit) and the scheduler takes exactly the positions the policy names,
+promotions included. It feeds the learned cost model (`cost_model.CostModel`): every arrival, and
+the forward time of every fused batch, which `--max-wait-ms auto` and the promotion window read.
+At the admission cap, `evict_for(priority)` makes room for a higher-priority newcomer by failing
+the queued request the policy would serve last (503 with Retry-After).
+
 Room for a batch: at most `max_in_flight` batches are between dispatch and the end of their
 forward (default 2: one in the forward, the next one preprocessing). So an idle encoder takes a
 request at once, and a busy one collects the next batch meanwhile.
@@ -21,8 +28,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .clock import Clock, MonotonicClock
+from .cost_model import CostModel
 from .metrics import ServerMetrics
 from .policy import BatchPolicy, Dispatch, QueuedView, decide
+from .policy_queue import ModalityQueues
 from .records import EncodedPart, EncodeError, EncodeJob
 
 log = logging.getLogger("encode_server.scheduler")
@@ -37,43 +46,33 @@ class Engine(Protocol):
 class PendingRequest:
     """A job waiting for its embedding: the job, the future its caller awaits, and its clock times."""
 
-    __slots__ = ("job", "future", "submit_time", "deadline", "view")
+    __slots__ = ("job", "future", "submit_time", "deadline", "view", "priority")
 
     def __init__(self, job: EncodeJob, deadline: float, submit_time: float,
-                 future: asyncio.Future[EncodedPart]) -> None:
+                 future: asyncio.Future[EncodedPart], priority: int = 0) -> None:
         self.job = job
         self.future = future
         self.submit_time = submit_time
         self.deadline = deadline  # in the scheduler's clock
-        self.view = QueuedView(arrival=submit_time, tokens=job.tokens)
-
-
-class _Views(Sequence[QueuedView]):
-    """A read-only view of a deque of pending requests as the policy sees them (no copying)."""
-
-    def __init__(self, queue: deque[PendingRequest]) -> None:
-        self._queue = queue
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._queue[index].view
+        self.priority = priority
+        self.view = QueuedView(arrival=submit_time, tokens=job.tokens, priority=priority, deadline=deadline)
 
 
 class EncoderScheduler:
     """Owns the per-modality queues; applies the policy; dispatches batches to the engine."""
 
     def __init__(self, engine: Engine, policy: BatchPolicy, metrics: ServerMetrics, max_in_flight: int = 2,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, costs: CostModel | None = None) -> None:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.clock = clock or MonotonicClock()
+        self.costs = costs or CostModel()
         self._inbox: deque[PendingRequest] = deque()
         self._probes: deque[PendingRequest] = deque()
-        self._queues: dict[str, deque[PendingRequest]] = {}
+        self._queues: ModalityQueues[PendingRequest] = ModalityQueues()
+        self._gone: deque[PendingRequest] = deque()  # cancelled by their callers while queued
         self._wake = asyncio.Event()
         self._in_flight = 0
         self._batches: set[asyncio.Task] = set()
@@ -81,7 +80,7 @@ class EncoderScheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._inbox) + sum(len(queue) for queue in self._queues.values())
+        return len(self._inbox) + len(self._queues)
 
     @property
     def batches_in_flight(self) -> int:
@@ -99,10 +98,8 @@ class EncoderScheduler:
         self._absorb_inbox()
         while self._probes:
             _fail(self._probes.popleft(), EncodeError(503, message))
-        for queue in self._queues.values():
-            while queue:
-                pending = queue.popleft()
-                _fail(pending, EncodeError(503, message, pending.job.req_id, headers={"Retry-After": "1"}))
+        for pending in self._queues.clear():
+            _fail(pending, EncodeError(503, message, pending.job.req_id, headers={"Retry-After": "1"}))
 
     async def stop(self) -> None:
         """Stop dispatching and fail whatever is still queued with 503."""
@@ -113,13 +110,35 @@ class EncoderScheduler:
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
-    def submit(self, job: EncodeJob, deadline: float) -> asyncio.Future[EncodedPart]:
-        """Queue a job (`deadline` in the scheduler's clock); the future ends with its `EncodedPart`
-        or an `EncodeError`. Cancelling the future drops the job before it reaches the encoder."""
+    def submit(self, job: EncodeJob, deadline: float, priority: int = 0) -> asyncio.Future[EncodedPart]:
+        """Queue a job (`deadline` in the scheduler's clock; higher `priority` first); the future ends with
+        its `EncodedPart` or an `EncodeError`. Cancelling the future drops the job before it reaches the
+        encoder."""
         future: asyncio.Future[EncodedPart] = asyncio.get_running_loop().create_future()
-        self._inbox.append(PendingRequest(job, deadline, self.clock.now(), future))
+        pending = PendingRequest(job, deadline, self.clock.now(), future, priority)
+        future.add_done_callback(lambda done: self._forget(pending) if done.cancelled() else None)
+        self._inbox.append(pending)
         self._wake.set()
         return future
+
+    def _forget(self, pending: PendingRequest) -> None:
+        self._gone.append(pending)
+        self._wake.set()
+
+    def evict_for(self, priority: int) -> bool:
+        """Make room for a newcomer of `priority` at the admission cap: fail the queued request of lower
+        priority that the policy would serve last with 503 (Retry-After). False when there is none."""
+        self._absorb_inbox()
+        candidate = self._queues.eviction_candidate(priority)
+        if candidate is None:
+            return False
+        modality, pending = candidate
+        self._queues.discard(modality, pending)
+        self.metrics.evictions.labels(modality, str(pending.priority)).inc()
+        _fail(pending, EncodeError(503, f"evicted from the queue by a request of priority {priority}",
+                                   pending.job.req_id, headers={"Retry-After": "1"}))
+        self._wake.set()
+        return True
 
     async def _run(self) -> None:
         while True:
@@ -133,7 +152,7 @@ class EncoderScheduler:
                 if not probe.future.done():
                     self._start_batch(probe.job.modality, [probe], now)
             while self._in_flight < self.max_in_flight:
-                decision = decide({m: _Views(q) for m, q in self._queues.items() if q}, now, self.policy)
+                decision = decide(self._queues.views(), now, self.policy, self.costs)
                 if isinstance(decision, Dispatch):
                     self._dispatch(decision, now)
                     continue
@@ -148,29 +167,23 @@ class EncoderScheduler:
             pending = self._inbox.popleft()
             if pending.job.probe:
                 self._probes.append(pending)
-            else:
-                self._queues.setdefault(pending.job.modality, deque()).append(pending)
+            elif not pending.future.done():
+                self._queues.add(pending.job.modality, pending.view, pending)
+                self.costs.observe_arrival(pending.job.modality, pending.submit_time)
 
     def _drop_dead(self, now: float) -> None:
         """Requests whose callers gave up (cancelled, disconnected, timed out) never reach the encoder."""
-        for queue in self._queues.values():
-            if any(p.future.done() or p.deadline <= now for p in queue):
-                alive = deque()
-                for pending in queue:
-                    if pending.future.done():
-                        continue
-                    if pending.deadline <= now:
-                        _fail(pending, EncodeError(504, "timed out waiting in the queue", pending.job.req_id))
-                        continue
-                    alive.append(pending)
-                queue.clear()
-                queue.extend(alive)
+        while self._gone:
+            pending = self._gone.popleft()
+            self._queues.discard(pending.job.modality, pending)
+        for pending in self._queues.pop_expired(now):
+            _fail(pending, EncodeError(504, "timed out waiting in the queue", pending.job.req_id))
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
-        queue = self._queues[decision.modality]
-        batch = [queue.popleft() for _ in range(decision.count)]
+        batch = self._queues.take(decision)
         for pending in batch:
-            self.metrics.queue_wait.labels(decision.modality).observe(now - pending.submit_time)
+            self.metrics.queue_wait.labels(decision.modality, str(pending.priority)).observe(
+                now - pending.submit_time)
         self.metrics.batch_size.labels(decision.modality).observe(len(batch))
         self._start_batch(decision.modality, batch, now)
 
@@ -186,6 +199,7 @@ class EncoderScheduler:
             if not live:
                 return
             results = await self.engine.encode(modality, [p.job for p in live])
+            self._learn(modality, live, results)
             for pending, result in zip(live, results):
                 if isinstance(result, EncodeError):
                     _fail(pending, result)
@@ -201,6 +215,15 @@ class EncoderScheduler:
         finally:
             self._in_flight -= 1
             self._wake.set()
+
+
+    def _learn(self, modality: str, live: list[PendingRequest], results: Sequence[EncodedPart | EncodeError]) -> None:
+        """Feed a fused forward's time to the cost model (not a batch that failed or was split up)."""
+        if not results or not all(isinstance(result, EncodedPart) for result in results):
+            return
+        if any(result.batch_size != len(live) for result in results):
+            return
+        self.costs.observe_batch(modality, len(live), sum(p.job.tokens for p in live), results[0].timings.encode / 1e3)
 
 
 def _fail(pending: PendingRequest, error: EncodeError) -> None:

@@ -38,6 +38,7 @@ class EncodeRequest(BaseModel):
     embedding_port: StrictInt | list[StrictInt] | None = None
     return_embedding: StrictBool = False
     timeout_s: Annotated[StrictFloat | StrictInt, Field(gt=0)] | None = None
+    priority: Annotated[StrictInt, Field(ge=0)] = 0  # higher first; the server caps it (--max-priority)
 
     @field_validator("modality")
     @classmethod

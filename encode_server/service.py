@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from processors.dtypes import DTYPE_NAMES
 
 from .admission import Admission
 from .clock import Clock, MonotonicClock
-from .delivery import Delivery, NativeWire
+from .delivery import Delivery, NativeWire, WireFormat
 from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
 from .engine import EncoderEngine
 from .health import HealthProbe
@@ -36,11 +35,14 @@ from .memory import default_cache_bytes
 from .metrics import LoopLagMonitor, ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
+from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from .records import EncodedPart, EncodeError, EncodeJob, PartMeta, Timings
 from .responses import encode_response
 from .scheduler import EncoderScheduler
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from .settings import Settings
+from .sglang_registry import SglangRegistry, advertised_url, registry_urls
+from .sglang_wire import SglangWire, seconds_per_grid_step
 from .transfer import EmbeddingSender, check_endpoint
 
 log = logging.getLogger("encode_server.service")
@@ -49,12 +51,26 @@ log = logging.getLogger("encode_server.service")
 PROBE_REQ_ID = "__health_probe__"
 
 
+def wire_format(settings: Settings, adapter: EncoderAdapter) -> WireFormat:
+    """The ZMQ frames `--wire-format` asks for."""
+    if settings.wire_format == "sglang":
+        return SglangWire(settings.sglang_embedding_class, seconds_per_grid_step(adapter, settings.video_fps))
+    return NativeWire(adapter)
+
+
+def awaits_registrations(request: EncodeRequest) -> bool:
+    """SGLang's `zmq_to_scheduler` form: `prefill_host` without ports means its ranks will register."""
+    return request.prefill_host is not None and request.embedding_port is None
+
+
 def batch_policy(settings: Settings) -> BatchPolicy:
     """The dispatch policy's knobs, from the settings."""
     return BatchPolicy(
-        max_batch_size=settings.max_batch_size, max_wait_s=settings.max_wait_ms / 1000.0,
+        max_batch_size=settings.max_batch_size,
+        max_wait_s=0.0 if settings.adaptive_wait else settings.max_wait_ms / 1000.0,
         min_batch_size=settings.min_batch_size, hard_timeout_additional_s=settings.hard_timeout_additional_s,
         max_batch_tokens=settings.max_batch_tokens, dynamic_batching=settings.enable_dynamic_batching,
+        adaptive_wait=settings.adaptive_wait,
     )
 
 
@@ -69,8 +85,10 @@ class EncoderService:
         self.clock = clock or MonotonicClock()
         self.metrics = ServerMetrics()
         self.started_at = time.time()
-        self.admission = Admission(settings, adapter, self.metrics, self.clock)
-        self._media_pool = ThreadPoolExecutor(settings.media_workers, thread_name_prefix="media")
+        self.admission = Admission(settings, adapter, self.metrics, self.clock,
+                                   evict=lambda priority: self.scheduler.evict_for(priority))
+        # Decoding is ordered by priority too, so an interactive request does not wait behind a flood's decodes.
+        self._media_pool = PriorityThreadPool(settings.media_workers, thread_name_prefix="media")
         self.media = MediaLoader(self._media_pool, MediaLimits.from_settings(settings, adapter))
         self.cache, self.item_keys = build_cache(settings, adapter, self.media.limits)
         self.metrics.watch_cache(self.cache)
@@ -81,10 +99,14 @@ class EncoderService:
         self.scheduler = EncoderScheduler(self.engine, batch_policy(settings), self.metrics,
                                           max_in_flight=2 * settings.dp_size, clock=self.clock)
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
-        self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), NativeWire(adapter), self.metrics,
+        self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
         self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
+        self.registry = SglangRegistry(registry_urls(settings.register_with),
+                                       advertised_url(settings.host, settings.port, settings.advertise_url)
+                                       ) if settings.register_with else None
+        self._withdrawal: asyncio.Task | None = None
 
     @property
     def pending(self) -> int:
@@ -99,8 +121,12 @@ class EncoderService:
         self.scheduler.start()
         self._loop_lag.start()
         self.health.verdict()  # the first probe starts now, in the background
+        if self.registry is not None:
+            self.registry.start()
 
     async def stop(self) -> None:
+        if self.registry is not None:
+            await (self._withdrawal or self.registry.withdraw())
         self._loop_lag.stop()
         await self.health.close()
         await self.scheduler.stop()
@@ -123,14 +149,14 @@ class EncoderService:
             except asyncio.TimeoutError:
                 ticket.status = "504"
                 error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s", request.req_id)
-                self.delivery.notify_failure(meta, endpoints, error)
+                self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
                 raise error from None
             except EncodeError as error:
                 if error.status == 500 and self.admission.broken:
                     error = EncodeError(503, self.admission.broken, request.req_id, headers={"Retry-After": "5"})
                 ticket.status = str(error.status)
                 if error.status != 502:
-                    self.delivery.notify_failure(meta, endpoints, error)
+                    self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
                 raise error from None
             except asyncio.CancelledError:
                 ticket.status = "cancelled"
@@ -143,20 +169,23 @@ class EncoderService:
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
         """Encode an admitted request, deliver it, and build its response."""
-        part = await self._encode_items(meta, request.mm_items, deadline)
-        transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding)
+        part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
+        transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
+                                                 awaits_registrations(request))
         part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
-        return part, await encode_response(meta, part, request.return_embedding, self.metrics)
+        return part, await encode_response(meta, part, request.return_embedding, self.metrics,
+                                           self.adapter.info.deepstack)
 
     async def _encode_items(self, meta: PartMeta, raw_items: list[Any], deadline: float,
-                            probe: bool = False) -> EncodedPart:
+                            probe: bool = False, priority: int = 0) -> EncodedPart:
         """Fetch and decode a part's items (each on its own), then encode them in a fused batch; with the
         embedding cache on, only the items it does not hold (health probes always go to the encoder)."""
         decode_started = time.perf_counter()
+        CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
             if self.cache.enabled and not probe:
-                return await self._encode_through_cache(meta, sources, decode_started)
+                return await self._encode_through_cache(meta, sources, decode_started, priority)
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
@@ -165,9 +194,10 @@ class EncoderService:
         job = EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
                         decode_s=decode_s, probe=probe)
-        return await self.scheduler.submit(job, deadline)
+        return await self.scheduler.submit(job, deadline, priority)
 
-    async def _encode_through_cache(self, meta: PartMeta, sources: list[MediaSource], started: float) -> EncodedPart:
+    async def _encode_through_cache(self, meta: PartMeta, sources: list[MediaSource], started: float,
+                                    priority: int = 0) -> EncodedPart:
         """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
         encoded for other requests, and encode only the rest, in one job; rows come back in item order.
 
@@ -180,7 +210,7 @@ class EncoderService:
         own: list[EncodedPart] = []
 
         async def compute(positions: list[int]) -> list[CachedItem]:
-            part = await self._encode_missing(meta, [read[position] for position in positions])
+            part = await self._encode_missing(meta, [read[position] for position in positions], priority)
             own.append(part)
             rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
             return [CachedItem.compact(item_rows, layout) for item_rows, layout in zip(rows, part.layouts)]
@@ -205,7 +235,7 @@ class EncoderService:
                            batch_size=part.batch_size if part else 0, timings=timings,
                            cached=tuple(result.cached for result in resolved))
 
-    async def _encode_missing(self, meta: PartMeta, items: list[RawItem]) -> EncodedPart:
+    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], priority: int = 0) -> EncodedPart:
         """Decode the items the cache misses and encode them as one job (deadline: the longest a request may
         wait, since requests other than `meta`'s may be waiting for it; the cache cancels it when none is)."""
         started = time.perf_counter()
@@ -229,7 +259,7 @@ class EncoderService:
         job = EncodeJob(meta=meta, items=tuple(item.decoded for item in results),
                         layouts=tuple(item.layout for item in results), raw_items=tuple(item.raw for item in results),
                         decode_s=decode_s)
-        return await self.scheduler.submit(job, self.clock.now() + self.settings.req_timeout_s)
+        return await self.scheduler.submit(job, self.clock.now() + self.settings.req_timeout_s, priority)
 
     async def register_receiver(self, payload: Any) -> dict[str, Any]:
         """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""
@@ -283,8 +313,11 @@ class EncoderService:
         return verdict
 
     def begin_drain(self) -> None:
-        """Stop admitting: new requests and /health get 503; those in flight go on."""
+        """Stop admitting: new requests and /health get 503; those in flight go on. SGLang registries
+        (`--register-with`) are told at once, so they stop dispatching here."""
         self.admission.begin_drain()
+        if self.registry is not None and self._withdrawal is None:
+            self._withdrawal = asyncio.get_running_loop().create_task(self.registry.withdraw())
 
     async def wait_drained(self, timeout: float) -> bool:
         """True when every admitted request has left within `timeout` seconds."""
@@ -299,7 +332,8 @@ class EncoderService:
         return {
             "settings": self.settings.public_dict(),
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
-                      "hidden_size": info.hidden_size, "device": str(self.adapter.device),
+                      "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,
+                      "device": str(self.adapter.device),
                       "dtype": DTYPE_NAMES[self.adapter.dtype]},
             "ranks": self.group.ranks() if self.group else [{"rank": 0, "pid": os.getpid(), "role": "tp",
                                                              "alive": True}],
@@ -310,6 +344,7 @@ class EncoderService:
 
     def performance(self) -> dict[str, Any]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
+        summary["cost_model"] = self.scheduler.costs.summary(self.settings.max_batch_size, self.clock.now())
         stats = self.cache.stats
         summary["cache"] = {"enabled": self.cache.enabled, "capacity_bytes": self.cache.capacity_bytes,
                             "bytes": self.cache.bytes_held, "entries": len(self.cache), "hits": stats.hits,

@@ -32,6 +32,22 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
+#: `--max-wait-ms auto`: the wait is chosen per decision from the learned cost curve.
+AUTO_WAIT = "auto"
+
+
+def parse_wait_ms(text: str | float) -> float | str:
+    """`--max-wait-ms`: milliseconds, or `auto`."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    if text.strip().lower() == AUTO_WAIT:
+        return AUTO_WAIT
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected milliseconds or 'auto', got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting: its flag, type, default and meaning; the env var is derived from the flag."""
@@ -54,8 +70,8 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("--model", str, "tiny-qwen2.5-vl",
-           "a built-in model name (tiny-qwen2.5-vl, tiny-internvl, tiny-qwen2-audio) or the path of a local "
-           "Hugging Face checkpoint folder (qwen2_5_vl, internvl or qwen2_audio)"),
+           "a built-in model name (such as tiny-qwen2.5-vl) or the path of a local Hugging Face checkpoint "
+           "folder whose model_type a family serves; `python -m processors.registry` lists both"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),
     Option("--device", str, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N"),
@@ -63,8 +79,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", *DTYPES)),
     Option("--max-batch-size", int, 32, "most requests fused into one encoder forward",
            aliases=("SGLANG_ENCODER_MAX_BATCH_SIZE",)),
-    Option("--max-wait-ms", float, 0.0,
-           "how long the oldest queued request may wait for company before its batch is dispatched"),
+    Option("--max-wait-ms", parse_wait_ms, 0.0,
+           "how long the oldest queued request may wait for company before its batch is dispatched; 'auto': "
+           "chosen per decision from the learned cost of a forward and the arrival rate (min-batch-size unused, "
+           "hard-timeout-additional-s still caps the wait)"),
     Option("--min-batch-size", int, 1,
            "below this many queued requests, keep waiting after max-wait until the hard timeout"),
     Option("--hard-timeout-additional-s", float, 1.0,
@@ -108,6 +126,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--wire-format", str, "native",
+           "ZMQ frames for prefill receivers: native (a JSON header and the raw bytes, docs/CONTRACT.md section 3) "
+           "or sglang (SGLang's pickled EmbeddingData and the raw bytes, for an unchanged SGLang prefill server)",
+           choices=("native", "sglang")),
+    Option("--sglang-embedding-class", str, "sglang.srt.disaggregation.encoder.receiver.EmbeddingData",
+           "with --wire-format sglang: the class path frame 0 names (SGLang 0.5.21+; 0.5.12 to 0.5.18: "
+           "sglang.srt.disaggregation.encode_receiver.EmbeddingData)"),
+    Option("--register-with", str, None,
+           "comma-separated URLs of SGLang encoder registries: on start POST {url}/register_encoder_url with "
+           "this encoder's URL, on drain DELETE {url}/unregister_encoder_url"),
+    Option("--advertise-url", str, None,
+           "the URL others reach this encoder at, for --register-with (default: http://HOST:PORT)"),
+    Option("--max-priority", int, 9,
+           "highest /encode 'priority' accepted (0 is the default and lowest; outside 0..this: 400)"),
     Option("--cache-bytes", parse_cache_bytes, "auto",
            "bound of the per-item embedding cache in bytes (e.g. 536870912 or 512MiB); auto: 5 percent of the memory, "
            "at most 1 GiB; 0 turns the cache and in-flight deduplication off"),
@@ -115,44 +147,49 @@ OPTIONS: tuple[Option, ...] = (
 
 
 #: Setting name -> default, from the one table.
-_DEFAULTS: dict[str, Any] = {option.dest: option.default for option in OPTIONS}
+DEFAULTS: dict[str, Any] = {option.dest: option.default for option in OPTIONS}
 
 
 @dataclass(frozen=True)
 class Settings:
     """The effective settings of one server process (defaults: the `OPTIONS` table)."""
 
-    model: str = _DEFAULTS["model"]
-    host: str = _DEFAULTS["host"]
-    port: int = _DEFAULTS["port"]
-    device: str = _DEFAULTS["device"]
-    dtype: str = _DEFAULTS["dtype"]
-    max_batch_size: int = _DEFAULTS["max_batch_size"]
-    max_wait_ms: float = _DEFAULTS["max_wait_ms"]
-    min_batch_size: int = _DEFAULTS["min_batch_size"]
-    hard_timeout_additional_s: float = _DEFAULTS["hard_timeout_additional_s"]
-    max_batch_tokens: int = _DEFAULTS["max_batch_tokens"]
-    enable_dynamic_batching: bool = _DEFAULTS["enable_dynamic_batching"]
-    max_pending: int = _DEFAULTS["max_pending"]
-    req_timeout_s: float = _DEFAULTS["req_timeout_s"]
-    send_timeout_s: float = _DEFAULTS["send_timeout_s"]
-    tp_size: int = _DEFAULTS["tp_size"]
-    dp_size: int = _DEFAULTS["dp_size"]
-    api_key: str | None = _DEFAULTS["api_key"]
-    allow_private_urls: bool = _DEFAULTS["allow_private_urls"]
-    allowed_local_media_dir: str | None = _DEFAULTS["allowed_local_media_dir"]
-    max_request_bytes: int = _DEFAULTS["max_request_bytes"]
-    max_image_pixels: int = _DEFAULTS["max_image_pixels"]
-    max_audio_seconds: float = _DEFAULTS["max_audio_seconds"]
-    video_fps: float = _DEFAULTS["video_fps"]
-    max_video_frames: int = _DEFAULTS["max_video_frames"]
-    drain_timeout_s: float = _DEFAULTS["drain_timeout_s"]
-    health_probe_interval_s: float = _DEFAULTS["health_probe_interval_s"]
-    health_probe_timeout_s: float = _DEFAULTS["health_probe_timeout_s"]
-    cpu_threads: int = _DEFAULTS["cpu_threads"]
-    media_workers: int = _DEFAULTS["media_workers"]
-    log_level: str = _DEFAULTS["log_level"]
-    cache_bytes: int | str = _DEFAULTS["cache_bytes"]  # "auto" or bytes; memory.default_cache_bytes resolves "auto"
+    model: str = DEFAULTS["model"]
+    host: str = DEFAULTS["host"]
+    port: int = DEFAULTS["port"]
+    device: str = DEFAULTS["device"]
+    dtype: str = DEFAULTS["dtype"]
+    max_batch_size: int = DEFAULTS["max_batch_size"]
+    max_wait_ms: float | str = DEFAULTS["max_wait_ms"]  # or AUTO_WAIT
+    min_batch_size: int = DEFAULTS["min_batch_size"]
+    hard_timeout_additional_s: float = DEFAULTS["hard_timeout_additional_s"]
+    max_batch_tokens: int = DEFAULTS["max_batch_tokens"]
+    enable_dynamic_batching: bool = DEFAULTS["enable_dynamic_batching"]
+    max_pending: int = DEFAULTS["max_pending"]
+    req_timeout_s: float = DEFAULTS["req_timeout_s"]
+    send_timeout_s: float = DEFAULTS["send_timeout_s"]
+    tp_size: int = DEFAULTS["tp_size"]
+    dp_size: int = DEFAULTS["dp_size"]
+    api_key: str | None = DEFAULTS["api_key"]
+    allow_private_urls: bool = DEFAULTS["allow_private_urls"]
+    allowed_local_media_dir: str | None = DEFAULTS["allowed_local_media_dir"]
+    max_request_bytes: int = DEFAULTS["max_request_bytes"]
+    max_image_pixels: int = DEFAULTS["max_image_pixels"]
+    max_audio_seconds: float = DEFAULTS["max_audio_seconds"]
+    video_fps: float = DEFAULTS["video_fps"]
+    max_video_frames: int = DEFAULTS["max_video_frames"]
+    drain_timeout_s: float = DEFAULTS["drain_timeout_s"]
+    health_probe_interval_s: float = DEFAULTS["health_probe_interval_s"]
+    health_probe_timeout_s: float = DEFAULTS["health_probe_timeout_s"]
+    cpu_threads: int = DEFAULTS["cpu_threads"]
+    media_workers: int = DEFAULTS["media_workers"]
+    log_level: str = DEFAULTS["log_level"]
+    wire_format: str = DEFAULTS["wire_format"]
+    sglang_embedding_class: str = DEFAULTS["sglang_embedding_class"]
+    register_with: str | None = DEFAULTS["register_with"]
+    advertise_url: str | None = DEFAULTS["advertise_url"]
+    max_priority: int = DEFAULTS["max_priority"]
+    cache_bytes: int | str = DEFAULTS["cache_bytes"]  # "auto" or bytes; memory.default_cache_bytes resolves "auto"
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -160,8 +197,12 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
-                     "health_probe_interval_s"):
+        if isinstance(self.max_wait_ms, str) and self.max_wait_ms != AUTO_WAIT:
+            raise ValueError(f"--max-wait-ms must be milliseconds or '{AUTO_WAIT}', got {self.max_wait_ms!r}")
+        if not self.adaptive_wait and self.max_wait_ms < 0:
+            raise ValueError(f"--max-wait-ms must not be negative, got {self.max_wait_ms}")
+        for name in ("hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
+                     "health_probe_interval_s", "max_priority"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
@@ -174,6 +215,21 @@ class Settings:
             raise ValueError(f"--req-timeout-s must be positive, got {self.req_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.wire_format not in ("native", "sglang"):
+            raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
+        from .sglang_wire import check_class_path
+
+        check_class_path(self.sglang_embedding_class)
+        if self.register_with:
+            from .sglang_registry import advertised_url, registry_urls
+
+            registry_urls(self.register_with)
+            advertised_url(self.host, self.port, self.advertise_url)
+
+    @property
+    def adaptive_wait(self) -> bool:
+        """`--max-wait-ms auto`."""
+        return self.max_wait_ms == AUTO_WAIT
 
     def cpu_threads_per_rank(self, ranks: int) -> int:
         """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or half

@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import re
 from collections.abc import Sequence
+
 import zmq
 import zmq.asyncio
 
@@ -24,7 +25,8 @@ from .wire import is_wildcard_host
 
 log = logging.getLogger("encode_server.transfer")
 
-_ENDPOINT = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})$")
+#: `tcp://host:port`, or SGLang's scheme-less `host:port` / `[v6]:port` (its `NetworkAddress.to_host_port_str`).
+_ENDPOINT = re.compile(r"^(?:tcp://)?(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})$")
 
 
 class DeliveryError(Exception):
@@ -36,21 +38,30 @@ class DeliveryError(Exception):
 
 
 def check_endpoint(url: str) -> str:
-    """A `tcp://host:port` the encoder may connect to; ValueError otherwise."""
+    """The `tcp://host:port` the encoder may connect to, from `tcp://host:port`, `host:port` or
+    `[v6]:port` (SGLang registers without a scheme); ValueError otherwise."""
     match = _ENDPOINT.match(url.strip())
     if not match:
-        raise ValueError(f"{url!r} is not a tcp://host:port address")
+        raise ValueError(f"{url!r} is not a tcp://host:port, host:port or [v6]:port address")
+    bracketed = match["host"].startswith("[")
     host = match["host"].strip("[]")
     if is_wildcard_host(host):
         raise ValueError(f"{url!r}: a wildcard address cannot be connected to; give the receiver's own address")
-    if re.fullmatch(r"[0-9.]+", host):
+    if bracketed:
+        try:
+            address = ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{url!r}: {host!r} in brackets is not an IPv6 address") from None
+        if address.is_unspecified or (address.ipv4_mapped is not None and address.ipv4_mapped.is_unspecified):
+            raise ValueError(f"{url!r}: a wildcard address cannot be connected to; give the receiver's own address")
+    elif re.fullmatch(r"[0-9.]+", host):
         try:
             ipaddress.IPv4Address(host)
         except ValueError:  # "0", "127.1", "2130706433": legacy forms the resolver would still accept
             raise ValueError(f"{url!r}: {host!r} is not a canonical IPv4 address") from None
     if not 1 <= int(match["port"]) <= 65535:
         raise ValueError(f"{url!r}: port out of range")
-    return url.strip()
+    return f"tcp://{match['host']}:{int(match['port'])}"
 
 
 def endpoint_for(host: str, port: int) -> str:

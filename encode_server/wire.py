@@ -1,7 +1,9 @@
 """The encoder-to-prefill wire format (docs/CONTRACT.md, section 3), shared by sender and receiver.
 
 One message per request part, two frames: a UTF-8 JSON header and the embedding's raw bytes
-(little-endian, row-major; empty when the header carries an error). No pickle anywhere.
+(little-endian, row-major; empty when the header carries an error). No pickle anywhere. Models with
+deepstack features (Qwen3-VL) add `"deepstack": k` to the header: each row is the main features
+followed by k deepstack blocks of the same width; the key is absent (k = 0) for every other model.
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ class Header:
     shape: tuple[int, int]
     items: list[dict[str, Any]]
     error: dict[str, Any] | None = None
+    #: Deepstack blocks after the main features in each row (`[tokens, hidden * (1 + deepstack)]`);
+    #: written only when > 0, so the headers of other models stay as they were.
+    deepstack: int = 0
 
     def encode(self) -> bytes:
-        return json.dumps({
+        header = {
             "v": WIRE_VERSION, "req_id": self.req_id, "part_idx": self.part_idx, "num_parts": self.num_parts,
             "modality": self.modality, "dtype": self.dtype, "shape": list(self.shape), "items": self.items,
             "error": self.error,
-        }, separators=(",", ":")).encode("utf-8")
+        }
+        if self.deepstack > 0:
+            header["deepstack"] = self.deepstack
+        return json.dumps(header, separators=(",", ":")).encode("utf-8")
 
     @property
     def payload_bytes(self) -> int:
@@ -67,9 +75,14 @@ def decode_header(frame: bytes) -> Header:
     if not (isinstance(data["part_idx"], int) and isinstance(data["num_parts"], int)
             and 0 <= data["part_idx"] < data["num_parts"]):
         raise WireError(f"bad part {data['part_idx']!r} of {data['num_parts']!r}")
+    deepstack = data.get("deepstack", 0)
+    if not (isinstance(deepstack, int) and not isinstance(deepstack, bool) and deepstack >= 0):
+        raise WireError(f"bad deepstack {deepstack!r}")
+    if data["error"] is None and shape[1] % (1 + deepstack):
+        raise WireError(f"rows of width {shape[1]} do not split into 1 + {deepstack} deepstack blocks")
     return Header(req_id=str(data["req_id"]), part_idx=data["part_idx"], num_parts=data["num_parts"],
                   modality=str(data["modality"]), dtype=str(data["dtype"]), shape=(shape[0], shape[1]),
-                  items=list(data["items"] or []), error=data["error"])
+                  items=list(data["items"] or []), error=data["error"], deepstack=deepstack)
 
 
 def is_wildcard_host(host: str) -> bool:

@@ -1,6 +1,13 @@
-"""Encoder families behind one adapter interface; `load_adapter` picks one by name or folder."""
+"""Encoder families behind one adapter interface; `load_adapter` picks one by name or folder.
+
+Each family is one module declaring a `Family` (`processors/family.py`); `processors/registry.py`
+lists them. `BUILTIN_MODELS` (built-in tiny model name -> builder) is gathered from the registry on
+first use, so importing this package stays cheap.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from .base import (
     EncoderAdapter,
@@ -11,25 +18,34 @@ from .base import (
     resolve_device,
     resolve_dtype,
 )
-from .builtin import BUILTIN_MODELS
 from .dtypes import DTYPE_NAMES
 
 __all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",
            "BUILTIN_MODELS"]
 
 
+def __getattr__(name: str) -> Any:
+    if name == "BUILTIN_MODELS":
+        from .registry import builtin_models
+
+        return builtin_models()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> EncoderAdapter:
     """The encoder for a built-in model name or a local Hugging Face checkpoint folder."""
     from pathlib import Path
 
-    from .checkpoint import CheckpointError, load_checkpoint
+    from .checkpoint import CheckpointError
+    from .registry import builtin_models, load_checkpoint
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    builder = BUILTIN_MODELS.get(model)
+    builtins = builtin_models()
+    builder = builtins.get(model)
     if builder is not None:
         return builder(torch_device, torch_dtype)
     if Path(model).expanduser().is_dir():
         return load_checkpoint(model, torch_device, torch_dtype)
-    known = ", ".join(sorted(BUILTIN_MODELS))
+    known = ", ".join(sorted(builtins))
     raise CheckpointError(f"unknown model {model!r}: expected a built-in name ({known}) or a checkpoint folder")

@@ -29,6 +29,9 @@ class ItemLayout:
 
     tokens: int
     grid_thw: tuple[int, int, int]
+    # Audio: the clip's length in feature-extractor (mel) frames, what SGLang's receiver takes as the
+    # item's grid. Not part of equality: a layout is defined by its rows and grid.
+    mel_frames: int | None = field(default=None, compare=False)
 
     def as_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "grid_thw": list(self.grid_thw)}
@@ -56,6 +59,14 @@ class ModelInfo:
     family: str
     modalities: tuple[str, ...]
     hidden_size: int
+    #: Deepstack feature blocks after the main features in each row (Qwen3-VL): rows are
+    #: `[tokens, hidden_size * (1 + deepstack)]`, `torch.cat([main] + deepstack, dim=-1)`.
+    deepstack: int = 0
+
+    @property
+    def row_width(self) -> int:
+        """The width of one embedding row: the main features and every deepstack block."""
+        return self.hidden_size * (1 + self.deepstack)
 
 
 class EncoderAdapter(ABC):

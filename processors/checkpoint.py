@@ -1,10 +1,12 @@
-"""Encoder-only loading from a Hugging Face checkpoint folder.
+"""Encoder-only loading from a Hugging Face checkpoint folder: the helpers every family's loader uses.
 
-The family comes from `config.json`'s `model_type`. Only the encoder's modules are built (the
-language model never is), with weight initialisation skipped, and only the encoder's tensors are
-read from the safetensors files (sharded ones through `model.safetensors.index.json`), each one
-memory-mapped and read on its own. Checkpoint keys may carry a leading `model.` (the layout
-`transformers` uses in memory) or not (the layout of published checkpoints); both are accepted.
+Only the encoder's modules are built (the language model never is), with weight initialisation
+skipped, and only the encoder's tensors are read from the safetensors files (sharded ones through
+`model.safetensors.index.json`), each one memory-mapped and read on its own. Checkpoint keys may
+carry a leading `model.` (the layout `transformers` uses in memory) or not (the layout of published
+checkpoints); both are accepted.
+Which family serves a folder (by `config.json`'s `model_type`) is `processors/registry.py`'s job;
+this module imports no family.
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers.initialization import no_init_weights
-
-from .base import EncoderAdapter
 
 
 class CheckpointError(ValueError):
@@ -25,6 +24,7 @@ class CheckpointError(ValueError):
 
 
 def read_config(folder: Path) -> dict:
+    """The folder's `config.json` as a dict."""
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
@@ -75,27 +75,9 @@ def load_encoder_weights(module: torch.nn.Module, folder: Path) -> None:
 
 def load_encoder_modules(folder: Path, build: Callable[[], dict[str, torch.nn.Module]]) -> torch.nn.ModuleDict:
     """Build the encoder's modules without random init, named as in the checkpoint, and load them."""
+    from transformers.initialization import no_init_weights
+
     with no_init_weights():
         modules = torch.nn.ModuleDict(build())
     load_encoder_weights(modules, folder)
     return modules
-
-
-def load_checkpoint(folder: str | Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
-    """The encoder adapter for a checkpoint folder, chosen by `model_type`."""
-    from .internvl import internvl_from_folder
-    from .qwen_audio import qwen2_audio_from_folder
-    from .qwen_vl import qwen25_vl_from_folder
-
-    families: dict[str, Callable[[Path, torch.device, torch.dtype], EncoderAdapter]] = {
-        "qwen2_5_vl": qwen25_vl_from_folder,
-        "internvl": internvl_from_folder,
-        "qwen2_audio": qwen2_audio_from_folder,
-    }
-    folder = Path(folder).expanduser().resolve()
-    model_type = read_config(folder).get("model_type")
-    loader = families.get(model_type)
-    if loader is None:
-        raise CheckpointError(f"{folder}: model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(sorted(families))})")
-    return loader(folder, device, dtype)

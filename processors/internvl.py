@@ -1,4 +1,4 @@
-"""InternVL vision tower and projector as an encoder adapter: tiled images.
+"""The internvl family: InternVL (`-hf` layout) vision tower and projector on tiled images.
 
 The processor (GotOcr2, PIL backend) cuts an image into `cols x rows` tiles of the tower's input
 size, chosen to match the image's aspect ratio within `[min_patches, max_patches]`, and adds a
@@ -22,6 +22,8 @@ import torch
 from PIL import Image
 
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from .builtin import seeded
+from .family import Family
 
 
 def pixel_shuffle(features: torch.Tensor, scale_factor: float) -> torch.Tensor:
@@ -116,3 +118,57 @@ def internvl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype)
     processor = AutoImageProcessor.from_pretrained(folder)
     return InternVLAdapter(folder.name, modules["vision_tower"], modules["multi_modal_projector"], config,
                            processor, device, dtype)
+
+
+def tiny_internvl_config():
+    from transformers import InternVLConfig
+
+    return InternVLConfig(
+        vision_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           image_size=[56, 56], patch_size=[14, 14]),
+        text_config=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+        downsample_ratio=0.5,
+    )
+
+
+def tiny_internvl(device: torch.device, dtype: torch.dtype) -> InternVLAdapter:
+    """`tiny-internvl`: 2 layers, width 64, 56x56 tiles of 14x14 patches; 1 to 6 tiles plus a thumbnail."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    config = tiny_internvl_config()
+    vision_tower, projector = seeded(lambda: build_internvl_encoder(config))
+    processor = GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=6,
+        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+    )
+    return InternVLAdapter("tiny-internvl", vision_tower.float(), projector.float(), config, processor,
+                           device, dtype)
+
+
+def shard_internvl(adapter: InternVLAdapter, mesh: Any) -> None:
+    """Every layer: q, k, v column-wise and the output projection row-wise; the MLP's fc1 and fc2 alike."""
+    from .sharding import ShardingError, check_heads, split_linears
+
+    world = mesh.size()
+    for layer in adapter.encoder["vision_tower"].encoder.layer:
+        attention = layer.attention
+        if not isinstance(attention.q_norm, torch.nn.Identity):
+            raise ShardingError("internvl: towers with qk-norm normalise across all heads; "
+                                "tensor parallelism is not supported for them")
+        local = check_heads(attention.num_heads, world, "internvl")
+        attention.num_heads, attention.embed_dim = local, attention.embed_dim // world
+        split_linears(attention, mesh, colwise=["q_proj", "k_proj", "v_proj"], rowwise=["projection_layer"])
+        split_linears(layer.mlp, mesh, colwise=["fc1"], rowwise=["fc2"])
+
+
+FAMILY = Family(
+    name="internvl",
+    model_types=("internvl",),
+    modalities=("image",),
+    row_formula="`tiles * h*w * downsample_ratio^2`",
+    grid_thw="`[tiles (thumbnail included), h, w]`, `h x w` = one tile's patch grid",
+    load=internvl_from_folder,
+    builtins={"tiny-internvl": tiny_internvl},
+    shard=shard_internvl,
+)

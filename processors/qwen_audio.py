@@ -1,4 +1,4 @@
-"""Qwen2-Audio audio tower and projector as an encoder adapter.
+"""The qwen2_audio family: Qwen2-Audio audio tower and projector on mono waveforms.
 
 A clip (mono, at the feature extractor's sampling rate) becomes a log-mel spectrogram padded to the
 extractor's window (30 s in published checkpoints); its real length is `L = ceil(samples / hop)`
@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from .builtin import seeded
+from .family import Family
 
 
 def audio_output_rows(frames: int) -> int:
@@ -69,7 +71,7 @@ class QwenAudioAdapter(EncoderAdapter):
         rows = audio_output_rows(frames)
         if rows < 1:
             raise ItemError(f"audio of {item.shape[0]} samples is too short to yield an embedding")
-        return ItemLayout(tokens=rows, grid_thw=(1, 1, rows))
+        return ItemLayout(tokens=rows, grid_thw=(1, 1, rows), mel_frames=frames)
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
         features = self.feature_extractor(
@@ -77,7 +79,8 @@ class QwenAudioAdapter(EncoderAdapter):
             return_tensors="pt")
         frames = features["attention_mask"].sum(-1)
         rows = [audio_output_rows(int(n)) for n in frames]
-        return PreparedBatch(modality=modality, layouts=[ItemLayout(tokens=r, grid_thw=(1, 1, r)) for r in rows],
+        return PreparedBatch(modality=modality, layouts=[ItemLayout(tokens=r, grid_thw=(1, 1, r), mel_frames=int(n))
+                                                         for r, n in zip(rows, frames)],
                              inputs={"input_features": features["input_features"], "frames": frames})
 
     @torch.inference_mode()
@@ -124,3 +127,48 @@ def qwen2_audio_from_folder(folder: Path, device: torch.device, dtype: torch.dty
     extractor = AutoFeatureExtractor.from_pretrained(folder)
     return QwenAudioAdapter(folder.name, modules["audio_tower"], modules["multi_modal_projector"], config,
                             extractor, device, dtype)
+
+
+def tiny_qwen2_audio_config():
+    from transformers import Qwen2AudioConfig
+
+    return Qwen2AudioConfig(
+        audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+                          num_mel_bins=80, max_source_positions=500),
+        text_config=dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+    )
+
+
+def tiny_qwen2_audio(device: torch.device, dtype: torch.dtype) -> QwenAudioAdapter:
+    """`tiny-qwen2-audio`: 2 layers, width 64, 80 mel bins, a 10 s window; Whisper features at 16 kHz."""
+    from transformers import WhisperFeatureExtractor
+
+    config = tiny_qwen2_audio_config()
+    audio_tower, projector = seeded(lambda: build_qwen2_audio_encoder(config))
+    extractor = WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160, chunk_length=10)
+    return QwenAudioAdapter("tiny-qwen2-audio", audio_tower.float(), projector.float(), config, extractor,
+                            device, dtype)
+
+
+def shard_qwen2_audio(adapter: QwenAudioAdapter, mesh: Any) -> None:
+    """Every layer: q, k, v column-wise and `out_proj` row-wise; fc1 column-wise and fc2 row-wise."""
+    from .sharding import check_heads, split_linears
+
+    for layer in adapter.encoder["audio_tower"].layers:
+        attention = layer.self_attn
+        attention.num_heads = check_heads(attention.num_heads, mesh.size(), "qwen2_audio")
+        split_linears(attention, mesh, colwise=["q_proj", "k_proj", "v_proj"], rowwise=["out_proj"])
+        split_linears(layer, mesh, colwise=["fc1"], rowwise=["fc2"])
+
+
+FAMILY = Family(
+    name="qwen2_audio",
+    model_types=("qwen2_audio",),
+    modalities=("audio",),
+    row_formula="`((L-1)//2 + 1 - 2)//2 + 1`, `L` = mel frames",
+    grid_thw="`[1, 1, rows]`",
+    load=qwen2_audio_from_folder,
+    builtins={"tiny-qwen2-audio": tiny_qwen2_audio},
+    shard=shard_qwen2_audio,
+)

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from encode_server.receiver import EmbeddingReceiver  # noqa: E402
 from encode_server.transfer import EmbeddingSender  # noqa: E402
-from processors.dtypes import raw_bytes as payload_view  # noqa: E402
 from encode_server.wire import Header  # noqa: E402
+from processors.dtypes import raw_bytes as payload_view  # noqa: E402
 
 DIM = 1024
 

@@ -49,7 +49,7 @@ def measure(folder: Path) -> dict:
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # noqa: F401
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl  # noqa: F401
 
-    from processors.checkpoint import load_checkpoint
+    from processors.registry import load_checkpoint
 
     before, _ = rss_mib()
     adapter = load_checkpoint(folder, torch.device("cpu"), torch.float32)

@@ -20,7 +20,8 @@ import torch
 from PIL import Image
 
 from processors import load_adapter
-from processors.checkpoint import CheckpointError, load_checkpoint
+from processors.checkpoint import CheckpointError
+from processors.registry import load_checkpoint
 
 from .checkpoints import internvl_checkpoint, qwen2_audio_checkpoint, qwen25_vl_checkpoint
 from .helpers import ServerProcess

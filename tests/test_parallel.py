@@ -18,8 +18,9 @@ import torch
 from PIL import Image
 
 from encode_server.parallel.channel import pack_batch, pack_result, unpack_batch, unpack_result
-from encode_server.parallel.tensor_parallel import _reorder_fused_qkv, layout_digest
+from encode_server.parallel.tensor_parallel import layout_digest
 from processors import ItemLayout, PreparedBatch, load_adapter
+from processors.sharding import reorder_fused_qkv
 
 from .helpers import ROOT, ServerProcess, image_b64
 
@@ -59,7 +60,7 @@ def test_fused_qkv_reorder_gives_each_rank_its_own_heads():
     heads, head_dim, dim, world = 4, 3, 12, 2
     linear = torch.nn.Linear(dim, 3 * dim)
     original_w, original_b = linear.weight.detach().clone(), linear.bias.detach().clone()
-    _reorder_fused_qkv(linear, heads, world)
+    reorder_fused_qkv(linear, heads, world)
     q, k, v = original_w.view(3, heads, head_dim, dim)
     for rank, chunk in enumerate(linear.weight.detach().chunk(world)):
         mine = slice(rank * heads // world, (rank + 1) * heads // world)

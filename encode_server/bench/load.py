@@ -74,8 +74,9 @@ class _Client:
     """Sends one request and records its latency, the batch it rode in and its items' cache flags."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, modality: str, requests: list[list[str]],
-                 progress=None) -> None:
+                 progress=None, priority: int | None = None) -> None:
         self.session, self.url, self.modality, self.requests = session, url, modality, requests
+        self.priority = priority  # sent as the body's "priority" when set
         self.latencies: list[float] = []
         self.batch_sizes: list[int] = []
         self.errors = 0
@@ -84,7 +85,11 @@ class _Client:
         self.progress = progress
 
     async def one(self, index: int, tag: str) -> None:
-        body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": self.requests[index]}
+        entry = self.requests[index % len(self.requests)]
+        items = [entry] if isinstance(entry, str) else entry  # a plain payload list: one item per request
+        body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": items}
+        if self.priority is not None:
+            body["priority"] = self.priority
         started = time.perf_counter()
         try:
             async with self.session.post(self.url + "/encode", json=body) as response:
@@ -109,17 +114,36 @@ def _session(limit: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=300))
 
 
-async def _warm(session: aiohttp.ClientSession, url: str, modality: str, workload, tag: str) -> None:
-    warm = _Client(session, url, modality, workload.requests(8))
-    await asyncio.gather(*(warm.one(i, f"warm-{tag}") for i in range(8)))
+class _Cycle:
+    """A plain list of payloads as a workload: one item per request, cycling through them."""
+
+    def __init__(self, payloads: list[str]) -> None:
+        self.payloads, self._next = payloads, iter(range(10**12))
+
+    def requests(self, total: int) -> list[list[str]]:
+        return [[self.payloads[next(self._next) % len(self.payloads)]] for _ in range(total)]
+
+
+async def _warm(client: _Client, tag: str) -> None:
+    """Eight requests through `client`, then its records cleared."""
+    await asyncio.gather(*(client.one(i, f"warm-{tag}") for i in range(8)))
+    client.latencies.clear()
+    client.batch_sizes.clear()
+    client.errors = client.items = client.cached_items = 0
+
+
+async def _warm_up(session: aiohttp.ClientSession, url: str, modality: str, workload, tag: str) -> None:
+    await _warm(_Client(session, url, modality, workload.requests(8)), tag)
 
 
 async def closed_loop(url: str, config: str, concurrency: int, total: int, modality: str, workload,
                       progress=None, on_start=None) -> LoadResult:
-    """`concurrency` clients, each sending its next request as soon as the last is answered.
+    """`concurrency` clients, each sending its next request as soon as the last is answered. `workload`
+    is a `workloads` object or a plain list of payloads (one per request, cycling).
     `on_start()` runs after the warm-up, just before the clock starts."""
     async with _session(concurrency + 8) as session:
-        await _warm(session, url, modality, workload, f"{config}-{concurrency}")
+        workload = _Cycle(workload) if isinstance(workload, list) else workload
+        await _warm_up(session, url, modality, workload, f"{config}-{concurrency}")
         client = _Client(session, url, modality, workload.requests(total), progress)
         counter = iter(range(total))
         tag = f"{config}-c{concurrency}"
@@ -141,7 +165,8 @@ async def open_loop(url: str, config: str, rate: float, total: int, modality: st
     """Poisson arrivals at `rate` requests/s, whatever the server's answers (the load does not wait)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=total)
     async with _session(1024) as session:
-        await _warm(session, url, modality, workload, f"{config}-{rate}")
+        workload = _Cycle(workload) if isinstance(workload, list) else workload
+        await _warm_up(session, url, modality, workload, f"{config}-{rate}")
         client = _Client(session, url, modality, workload.requests(total), progress)
         tag = f"{config}-r{rate:g}"
         if on_start is not None:

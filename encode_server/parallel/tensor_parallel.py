@@ -1,11 +1,7 @@
-"""Tensor-parallel plans per encoder family, and the batch-layout digest ranks agree on.
+"""Applying a family's tensor-parallel plan, and the batch-layout digest ranks agree on.
 
-Each transformer block's attention projections and MLP are sharded with
-`torch.distributed.tensor.parallel`: the input projections column-wise (each rank computes its own
-heads or its own slice of the hidden layer) and the output projections row-wise (an all-reduce sums
-the partial results), so every rank ends a block with the full hidden state and no hand-written
-collective is needed. Attention modules are told their local head count. A fused `qkv` weight is
-first reordered so that each rank's column slice holds its own heads' q, k and v.
+Each family declares its own plan (`Family.shard`, built from `processors/sharding.py`); a family
+without one cannot run with `--tp-size > 1`, and `shard_encoder` says so at start-up.
 """
 
 from __future__ import annotations
@@ -16,66 +12,22 @@ import json
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from processors import EncoderAdapter, PreparedBatch
+from processors.registry import family_named
+from processors.sharding import ShardingError
 
-
-class ShardingError(ValueError):
-    """A model that cannot be split over this many ranks."""
-
-
-def _check_heads(heads: int, world: int, family: str) -> int:
-    if heads % world:
-        raise ShardingError(f"{family}: {heads} attention heads do not split over {world} tensor-parallel ranks")
-    return heads // world
-
-
-def _reorder_fused_qkv(linear: torch.nn.Linear, heads: int, world: int) -> None:
-    """Rows [q | k | v] become [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], rank r's heads in slice r."""
-    out_features, in_features = linear.weight.shape
-    head_dim = out_features // 3 // heads
-    with torch.no_grad():
-        weight = linear.weight.view(3, world, heads // world, head_dim, in_features)
-        linear.weight.copy_(weight.permute(1, 0, 2, 3, 4).reshape(out_features, in_features).clone())
-        if linear.bias is not None:
-            bias = linear.bias.view(3, world, heads // world, head_dim)
-            linear.bias.copy_(bias.permute(1, 0, 2, 3).reshape(out_features).clone())
+__all__ = ["ShardingError", "agree_on_layout", "layout_digest", "shard_encoder"]
 
 
 def shard_encoder(adapter: EncoderAdapter, mesh: DeviceMesh) -> None:
     """Split the adapter's encoder over `mesh` in place (identical weights on every rank first)."""
-    world = mesh.size()
-    family = adapter.info.family
-    colwise, rowwise = ColwiseParallel(), RowwiseParallel()
-    if family == "qwen2_5_vl":
-        for block in adapter.encoder["visual"].blocks:
-            local = _check_heads(block.attn.num_heads, world, family)
-            _reorder_fused_qkv(block.attn.qkv, block.attn.num_heads, world)
-            block.attn.num_heads = local
-            parallelize_module(block.attn, mesh, {"qkv": colwise, "proj": rowwise})
-            parallelize_module(block.mlp, mesh, {"gate_proj": colwise, "up_proj": colwise, "down_proj": rowwise})
-    elif family == "internvl":
-        for layer in adapter.encoder["vision_tower"].encoder.layer:
-            attention = layer.attention
-            if not isinstance(attention.q_norm, torch.nn.Identity):
-                raise ShardingError("internvl: towers with qk-norm normalise across all heads; "
-                                    "tensor parallelism is not supported for them")
-            local = _check_heads(attention.num_heads, world, family)
-            attention.num_heads, attention.embed_dim = local, attention.embed_dim // world
-            parallelize_module(attention, mesh, {"q_proj": colwise, "k_proj": colwise, "v_proj": colwise,
-                                                 "projection_layer": rowwise})
-            parallelize_module(layer.mlp, mesh, {"fc1": colwise, "fc2": rowwise})
-    elif family == "qwen2_audio":
-        for layer in adapter.encoder["audio_tower"].layers:
-            attention = layer.self_attn
-            local = _check_heads(attention.num_heads, world, family)
-            attention.num_heads = local
-            parallelize_module(attention, mesh, {"q_proj": colwise, "k_proj": colwise, "v_proj": colwise,
-                                                 "out_proj": rowwise})
-            parallelize_module(layer, mesh, {"fc1": colwise, "fc2": rowwise})
-    else:
-        raise ShardingError(f"no tensor-parallel plan for the {family} family")
+    name = adapter.info.family
+    family = family_named(name)
+    if family is None or family.shard is None:
+        raise ShardingError(f"{name}: this family has no tensor-parallel plan, so --tp-size must be 1 "
+                            f"(use --dp-size to spread load over several devices)")
+    family.shard(adapter, mesh)
 
 
 def start_tensor_parallel(adapter: EncoderAdapter, device: str, init_method: str, rank: int, world_size: int) -> None:

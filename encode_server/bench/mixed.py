@@ -1,0 +1,186 @@
+"""Benchmarks for priorities and adaptive waiting (issue 17), each against one local server.
+
+`mixed`: interactive traffic on top of an offline flood, on one server, in one run. The capacity is
+measured first (closed loop, concurrency 64); then, in alternating rounds of `--round-s` seconds:
+
+- `idle`: the interactive stream alone (Poisson at `--interactive-share` of capacity, one image each);
+- `fifo`: the same stream plus a closed-loop offline flood (concurrency `--offline-concurrency`), all
+  at priority 0: today's first in, first out;
+- `priority`: the same, the interactive requests at priority 1.
+
+Each reports the interactive p50/p99 and errors, and the offline and total throughput.
+
+`wait`: `--max-wait-ms auto` against a sweep of fixed waits on the standard closed-loop points
+(concurrency 1, 16, 64), one server per setting, started one after another in one run.
+
+    python -m encode_server.bench.mixed mixed --round-s 15 --rounds 2
+    python -m encode_server.bench.mixed wait --waits 0,2,5,10,auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from .launcher import ServerProcess
+from .load import _Client, _session, _warm, closed_loop, make_payloads
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values) or [0.0]
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _interactive(url: str, rate: float, seconds: float, payloads: list[str], priority: int | None,
+                       tag: str, seed: int) -> _Client:
+    """A Poisson stream at `rate` for `seconds`; returns the client holding its latencies."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=int(rate * seconds * 2) + 10)
+    async with _session(512) as session:
+        client = _Client(session, url, "image", payloads, priority=priority)
+        tasks, started = [], time.perf_counter()
+        next_at = started
+        for index, gap in enumerate(gaps):
+            next_at += gap
+            if next_at - started > seconds:
+                break
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(client.one(index, tag)))
+        await asyncio.gather(*tasks)
+    return client
+
+
+async def _flood(url: str, concurrency: int, payloads: list[str], stop: asyncio.Event, tag: str) -> tuple[int, int]:
+    """Closed-loop offline clients at priority 0 until `stop`; (answered, errors) counted before the stop."""
+    async with _session(concurrency + 8) as session:
+        client = _Client(session, url, "image", payloads, priority=0)
+        counter = iter(range(10**9))
+        counted = [0, 0]
+
+        async def worker() -> None:
+            for index in counter:
+                if stop.is_set():
+                    return
+                before = client.errors
+                await client.one(index, tag)
+                if not stop.is_set():
+                    counted[0] += 1
+                    counted[1] += client.errors - before
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return counted[0], counted[1]
+
+
+async def _round(url: str, arm: str, rate: float, seconds: float, concurrency: int, payloads: list[str],
+                 seed: int) -> dict:
+    stop = asyncio.Event()
+    flood = None
+    if arm != "idle":
+        flood = asyncio.ensure_future(_flood(url, concurrency, payloads, stop, f"offline-{arm}-{seed}"))
+        await asyncio.sleep(2.0)  # let the flood fill the queue before measuring
+    started = time.perf_counter()
+    client = await _interactive(url, rate, seconds, payloads, 1 if arm == "priority" else None,
+                                f"interactive-{arm}-{seed}", seed)
+    wall = time.perf_counter() - started
+    offline, offline_errors = 0, 0
+    if flood is not None:
+        # Count offline answers over the same window as the interactive stream.
+        stop.set()
+        offline, offline_errors = await flood
+        flood_wall = time.perf_counter() - started + 2.0
+    interactive_ok = len(client.latencies) - client.errors
+    return {
+        "arm": arm, "seconds": round(wall, 2),
+        "interactive_requests": len(client.latencies), "interactive_errors": client.errors,
+        "interactive_p50_ms": round(_percentile(client.latencies, 0.5), 1),
+        "interactive_p99_ms": round(_percentile(client.latencies, 0.99), 1),
+        "offline_rps": round(offline / flood_wall, 1) if flood is not None else 0.0,
+        "offline_errors": offline_errors,
+        "total_rps": round((offline + interactive_ok) / (flood_wall if flood is not None else wall), 1),
+    }
+
+
+async def run_mixed(args) -> dict:
+    payloads = make_payloads("image", 64, args.image_size)
+    with ServerProcess("--model", args.model, "--cache-bytes", "0",
+                       "--max-batch-size", str(args.max_batch_size)) as server:
+        async with _session(72) as session:
+            await _warm(_Client(session, server.url, "image", payloads), "warm")
+        capacity = await closed_loop(server.url, "capacity", 64, 600, "image", payloads)
+        rate = args.interactive_share * capacity.throughput_rps
+        print(f"capacity {capacity.throughput_rps:.1f} req/s; interactive at {rate:.1f} req/s", flush=True)
+        rounds = []
+        for round_index in range(args.rounds):
+            for arm in ("idle", "fifo", "priority"):
+                result = await _round(server.url, arm, rate, args.round_s, args.offline_concurrency, payloads,
+                                      seed=round_index)
+                print(json.dumps(result), flush=True)
+                rounds.append(result)
+    summary = {}
+    for arm in ("idle", "fifo", "priority"):
+        mine = [r for r in rounds if r["arm"] == arm]
+        summary[arm] = {key: round(statistics.median(r[key] for r in mine), 1)
+                        for key in ("interactive_p50_ms", "interactive_p99_ms", "offline_rps", "total_rps")}
+        summary[arm]["interactive_errors"] = sum(r["interactive_errors"] for r in mine)
+        summary[arm]["interactive_requests"] = sum(r["interactive_requests"] for r in mine)
+    return {"capacity_rps": round(capacity.throughput_rps, 1), "interactive_rps": round(rate, 1),
+            "rounds": rounds, "median": summary}
+
+
+async def run_wait(args) -> dict:
+    payloads = make_payloads("image", 64, args.image_size)
+    results = []
+    for wait in args.waits:
+        with ServerProcess("--model", args.model, "--cache-bytes", "0", "--max-batch-size", str(args.max_batch_size),
+                           "--max-wait-ms", wait) as server:
+            async with _session(72) as session:
+                warm = _Client(session, server.url, "image", payloads)
+                for _ in range(4):  # a few varied batch sizes so `auto` has a curve to start from
+                    await _warm(warm, "warm")
+            for concurrency in args.concurrency:
+                point = await closed_loop(server.url, f"wait={wait}", concurrency, args.requests, "image", payloads)
+                row = {"max_wait_ms": wait, "concurrency": concurrency,
+                       "throughput_rps": round(point.throughput_rps, 1), "p50_ms": round(point.p50_ms, 1),
+                       "p99_ms": round(point.p99_ms, 1), "mean_batch": round(point.mean_batch_size, 1),
+                       "errors": point.errors}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+            if wait == "auto":  # what it learned, as /v1/performance shows it
+                learned = httpx.get(server.url + "/v1/performance", timeout=10).json().get("cost_model")
+                print(json.dumps({"cost_model": learned}), flush=True)
+                results.append({"max_wait_ms": wait, "cost_model": learned})
+    return {"points": results}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=("mixed", "wait"))
+    parser.add_argument("--model", default="tiny-qwen2.5-vl")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=56)
+    parser.add_argument("--round-s", type=float, default=15.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--interactive-share", type=float, default=0.2)
+    parser.add_argument("--offline-concurrency", type=int, default=256)
+    parser.add_argument("--waits", type=lambda text: text.split(","), default=["0", "2", "5", "10", "auto"])
+    parser.add_argument("--concurrency", type=lambda text: [int(x) for x in text.split(",")], default=[1, 16, 64])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    result = asyncio.run(run_mixed(args) if args.which == "mixed" else run_wait(args))
+    print(json.dumps(result.get("median", result), indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""SGLang's encoder-to-prefill frames, written without importing SGLang (it is not a dependency).
+
+SGLang's prefill side (`MMReceiverHTTP`, `WaitingZmqRequest`, 0.5.12 and later) reads frame 0 of
+every ZMQ message with `pickle`/`safe_pickle_loads` as its own `EmbeddingData`, and frame 1 as the
+embedding's raw bytes (`torch.frombuffer(frame, dtype=obj.dtype).reshape(obj.shape)`):
+
+- success: two frames, `[pickle(EmbeddingData without its tensor), raw little-endian row-major bytes]`;
+- failure: one frame, the object with `error_msg` and `error_code` set and `grid_dim`, `dtype`,
+  `shape` None, so every prefill rank that gets it fails the request at once.
+
+The object's state is exactly what SGLang 0.5.21+'s encoder pickles (`EmbeddingData(...,
+**aux).copy_without_embedding()`), in the same order: `req_id, num_parts, part_idx, grid_dim,
+modality, embedding, send_time, dtype, shape, _mr_ptr, error_msg, error_code` and, on success,
+`video_timestamps, second_per_grid_ts`. `grid_dim` is an int64 tensor: `[n_items, 3]` (t, h, w)
+grids for images and videos, `[n_items]` mel-frame lengths for audio. `modality` is SGLang's
+`Modality` enum (IMAGE=1, VIDEO=2, AUDIO=3). `send_time` is the wall-clock time the frame was made
+(SGLang's own encoder leaves it None; its receivers only copy it).
+
+The pickle (protocol 4) is produced by Python's own pickler, byte for byte as SGLang's would be
+(tests/golden/ holds frames pickled by real SGLang): two stand-in classes are written under SGLang's
+class paths instead of their own, and torch writes its tensors and dtypes itself (about 0.15 ms a
+message here, most of it torch pickling the grid tensor). Only classes on SGLang's unpickling
+allowlist appear in it. This module only ever writes pickles; nothing received is unpickled anywhere
+in the server.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used, so that settings can check class paths cheaply
+    import torch
+
+    from .records import EncodedPart, PartMeta
+
+#: Where `EmbeddingData` lives in SGLang 0.5.21 and later (the default of `--sglang-embedding-class`).
+EMBEDDING_CLASS = "sglang.srt.disaggregation.encoder.receiver.EmbeddingData"
+#: Where it lived in SGLang 0.5.12 to 0.5.18.
+LEGACY_EMBEDDING_CLASS = "sglang.srt.disaggregation.encode_receiver.EmbeddingData"
+#: SGLang's `Modality` enum: defined here up to 0.5.21, re-exported from here since (and on every
+#: version's unpickling allowlist; 0.5.23 defines it in `sglang.srt.multimodal.modality`).
+MODALITY_CLASS = "sglang.srt.managers.schedule_batch.Modality"
+#: `Modality` member values by our modality names.
+MODALITY_VALUES = {"image": 1, "video": 2, "audio": 3}
+
+PROTOCOL = 4
+_CLASS_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+def check_class_path(path: str) -> str:
+    """A dotted `module.Class` path; ValueError otherwise."""
+    if not isinstance(path, str) or not _CLASS_PATH.match(path):
+        raise ValueError(f"{path!r} is not a dotted module.Class path")
+    return path
+
+
+class _EmbeddingDataStandIn:
+    """Pickled as `copyreg.__newobj__(cls)` plus its `__dict__`, as any plain object is."""
+
+
+class _ModalityClassStandIn:
+    """Written as SGLang's `Modality` class."""
+
+
+# A module-name string of its own (equal, not identical, to this module's `__name__`), so the C pickler
+# writes and memoizes it afresh as it would SGLang's distinct module name, instead of reusing the
+# EmbeddingData stand-in's: memo indices then match SGLang's pickle one for one.
+_ModalityClassStandIn.__module__ = ".".join(__name__.split("."))
+
+
+class _ModalityMember:
+    """Pickled as `Modality(value)`, as `Enum.__reduce_ex__` writes a member."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _ModalityClassStandIn, (self.value,)
+
+
+class _PathPickler(pickle._Pickler):
+    """Python's pickler, writing the stand-in classes under configured `module.Class` paths.
+
+    The C pickler cannot be told to name a class that is not importable; the Python one is its
+    reference implementation (same opcodes, memo and framing), so only `save_global` differs here.
+    """
+
+    def __init__(self, file: io.BytesIO, class_paths: dict[type, tuple[str, str]]) -> None:
+        super().__init__(file, protocol=PROTOCOL)
+        self._class_paths = class_paths
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        path = self._class_paths.get(obj) if isinstance(obj, type) else None
+        if path is None:
+            super().save_global(obj, name)
+            return
+        module, qualname = path
+        self.save(module)
+        self.save(qualname)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+
+def grid_tensor(grids: Sequence[Any] | torch.Tensor) -> torch.Tensor:
+    """`grid_dim` as SGLang's receiver expects it: a contiguous int64 tensor ([n, 3] or [n])."""
+    import torch
+
+    if isinstance(grids, torch.Tensor):
+        return grids.detach().to("cpu", torch.int64).contiguous().clone()
+    return torch.tensor([list(g) if isinstance(g, (tuple, list)) else int(g) for g in grids], dtype=torch.int64)
+
+
+def _global_opcodes(module: str, qualname: str) -> bytes:
+    """How protocol 4 writes a class met for the first time: two memoized strings and STACK_GLOBAL."""
+    out = bytearray()
+    for text in (module, qualname):
+        raw = text.encode("utf-8")
+        out += (b"\x8c" + bytes([len(raw)]) if len(raw) < 256 else b"X" + len(raw).to_bytes(4, "little")) + raw
+        out += pickle.MEMOIZE
+    return bytes(out + pickle.STACK_GLOBAL + pickle.MEMOIZE)
+
+
+_FAST_PATH_MAX_FRAME = 60_000  # the picklers split frames at 64 KiB; bigger messages take the reference path
+
+
+class SglangFrames:
+    """Makes frame 0 of SGLang's messages for one configured pair of class paths.
+
+    Fast path: the C pickler writes the stand-ins under their own (importable) names, and those two
+    class references, whose positions and opcodes are fixed, are swapped for SGLang's paths (the one
+    frame's length adjusted). It gives the same bytes as the reference path, `_PathPickler`, which
+    is used for messages too big for one pickle frame; tests compare the two.
+    """
+
+    def __init__(self, embedding_class: str = EMBEDDING_CLASS, modality_class: str = MODALITY_CLASS) -> None:
+        self.embedding_class = check_class_path(embedding_class)
+        self.modality_class = check_class_path(modality_class)
+        self._class_paths = {
+            _EmbeddingDataStandIn: tuple(self.embedding_class.rsplit(".", 1)),
+            _ModalityClassStandIn: tuple(self.modality_class.rsplit(".", 1)),
+        }
+        self._swaps = [(_global_opcodes(cls.__module__, cls.__qualname__), _global_opcodes(*path))
+                       for cls, path in self._class_paths.items()]
+
+    def _dumps(self, state: dict[str, Any]) -> bytes:
+        obj = _EmbeddingDataStandIn()
+        obj.__dict__.update(state)
+        fast = self._retarget(pickle.dumps(obj, protocol=PROTOCOL))
+        return fast if fast is not None else self._reference_dumps(obj)
+
+    def _reference_dumps(self, obj: _EmbeddingDataStandIn) -> bytes:
+        buffer = io.BytesIO()
+        _PathPickler(buffer, self._class_paths).dump(obj)
+        return buffer.getvalue()
+
+    def _retarget(self, data: bytes) -> bytes | None:
+        """`data` with the stand-ins' class references renamed, or None when it is not one frame.
+
+        The EmbeddingData reference opens the body; the Modality one is the first occurrence of its
+        opcodes, which no earlier value can contain (a string is UTF-8, where the MEMOIZE byte 0x94
+        never follows an ASCII letter; a grid tensor's bytes hold small integers)."""
+        (embedding_old, embedding_new), (modality_old, modality_new) = self._swaps
+        if data[2:3] != pickle.FRAME or int.from_bytes(data[3:11], "little") != len(data) - 11:
+            return None
+        body = data[11:]
+        if not body.startswith(embedding_old):
+            return None
+        at = body.find(modality_old)
+        if at < 0:
+            return None
+        body = embedding_new + body[len(embedding_old):at] + modality_new + body[at + len(modality_old):]
+        if len(body) > _FAST_PATH_MAX_FRAME:
+            return None
+        return data[:2] + pickle.FRAME + len(body).to_bytes(8, "little") + body
+
+    def embedding_header(self, *, req_id: str, part_idx: int, num_parts: int, modality: str,
+                         grids: Sequence[Any] | torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
+                         second_per_grid_ts: Sequence[float] | None = None,
+                         video_timestamps: list[Any] | None = None, send_time: float | None = None) -> bytes:
+        """Frame 0 of a success message (frame 1: the embedding's raw bytes, `shape` of `dtype`)."""
+        import torch
+
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        return self._dumps({
+            "req_id": str(req_id),
+            "num_parts": int(num_parts),
+            "part_idx": int(part_idx),
+            "grid_dim": grid_tensor(grids),
+            "modality": _ModalityMember(MODALITY_VALUES[modality]),
+            "embedding": None,
+            "send_time": time.time() if send_time is None else float(send_time),
+            "dtype": dtype,
+            "shape": [int(n) for n in shape],
+            "_mr_ptr": None,
+            "error_msg": None,
+            "error_code": None,
+            "video_timestamps": video_timestamps,
+            "second_per_grid_ts": (None if second_per_grid_ts is None
+                                   else torch.tensor([float(s) for s in second_per_grid_ts], dtype=torch.float32)),
+        })
+
+    def error_header(self, *, req_id: str, part_idx: int, num_parts: int, modality: str, message: str,
+                     code: int, send_time: float | None = None) -> bytes:
+        """The single frame of a failure message."""
+        return self._dumps({
+            "req_id": str(req_id),
+            "num_parts": int(num_parts),
+            "part_idx": int(part_idx),
+            "grid_dim": None,
+            "modality": _ModalityMember(MODALITY_VALUES[modality]),
+            "embedding": None,
+            "send_time": time.time() if send_time is None else float(send_time),
+            "dtype": None,
+            "shape": None,
+            "_mr_ptr": None,
+            "error_msg": str(message),
+            "error_code": int(code),
+        })
+
+
+class SglangWire:
+    """`--wire-format sglang`: the delivery's `WireFormat` in SGLang's frames.
+
+    `seconds_per_grid_step` is Qwen2.5-VL's `second_per_grid_ts` for every video item (its temporal
+    patch size over the sampling fps, as SGLang's own encoder computes it); None for other models.
+    """
+
+    def __init__(self, embedding_class: str = EMBEDDING_CLASS, seconds_per_grid_step: float | None = None) -> None:
+        self.frames = SglangFrames(embedding_class)
+        self.seconds_per_grid_step = seconds_per_grid_step
+
+    def success_frames(self, meta: PartMeta, part: EncodedPart) -> list[bytes | memoryview]:
+        from processors.dtypes import raw_bytes
+
+        if meta.modality == "audio":
+            grids = [layout.mel_frames for layout in part.layouts]
+            if None in grids:
+                raise ValueError("this model's audio layouts do not say their mel-frame lengths")
+        else:
+            grids = [layout.grid_thw for layout in part.layouts]
+        seconds = None
+        if meta.modality == "video" and self.seconds_per_grid_step is not None:
+            seconds = [self.seconds_per_grid_step] * len(part.layouts)
+        header = self.frames.embedding_header(
+            req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
+            grids=grids, dtype=part.embedding.dtype, shape=part.embedding.shape, second_per_grid_ts=seconds)
+        return [header, raw_bytes(part.embedding)]
+
+    def failure_frames(self, meta: PartMeta, status: int, message: str) -> list[bytes | memoryview]:
+        """One frame: SGLang fails the request on `error_msg` before it looks for a payload."""
+        return [self.frames.error_header(req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts,
+                                         modality=meta.modality, message=message, code=status)]
+
+
+def seconds_per_grid_step(adapter: Any, video_fps: float) -> float | None:
+    """Qwen2.5-VL's seconds per temporal grid step (temporal patch size / sampling fps); None otherwise."""
+    if getattr(adapter.info, "family", None) != "qwen2_5_vl" or not hasattr(adapter, "temporal_patch_size"):
+        return None
+    return adapter.temporal_patch_size / video_fps

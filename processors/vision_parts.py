@@ -1,0 +1,195 @@
+"""The vision half of a `transformers` vision-language model, built and loaded without its language model.
+
+The families here call the model's own `get_image_features`, so the rows they ship are exactly what
+`transformers` splices into the prompt. To get there without building the language model, the
+model's base class (e.g. `Gemma3Model`) is constructed on the meta device (no memory, no init), its
+`language_model` is dropped, and the rest is materialised and filled from the checkpoint, the way
+`from_pretrained` does it:
+
+- checkpoint keys are renamed with `transformers`' own conversion mapping for that class
+  (`get_model_conversion_mapping` + `rename_source_key`), so published layouts
+  (`vision_tower.vision_model.*`, `language_model.model.*`) and the layout `save_pretrained`
+  writes today both load; a key that needs a conversion *operation* (split, concatenate, ...)
+  rather than a rename is refused;
+- only the kept modules' tensors are read from the safetensors shards;
+- non-persistent buffers (position ids, rotary frequencies) are filled by the model's own
+  `initialize_weights`, exactly as `from_pretrained` fills them.
+
+`VisionPartAdapter` is the shared adapter base: device, dtype, `ModelInfo`, and rows on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .base import EncoderAdapter, ItemError, ModelInfo
+from .checkpoint import CheckpointError, _shard_files
+
+DROPPED_MODULES = ("language_model", "lm_head")
+
+
+def base_model_class(model_type: str) -> type:
+    """The `transformers` base model class (`XModel`, no LM head) registered for a `model_type`."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    if isinstance(name, (tuple, list)):
+        name = name[0]
+    model_class = getattr(transformers, name, None) if name else None
+    if model_class is None:
+        raise CheckpointError(f"model_type {model_type!r} has no base model class in transformers "
+                              f"{transformers.__version__}")
+    return model_class
+
+
+def build_without_language_model(model_class: type, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The base model on the meta device in `dtype` (buffers the model builds in float32 stay so, as with
+    `from_pretrained(dtype=...)`), its language model (and any LM head) removed."""
+    from transformers import initialization
+
+    with torch.device("meta"), initialization.meta_device_safe_creation_ops(), initialization.no_tie_weights():
+        model = model_class._from_config(config, dtype=dtype)
+    if not isinstance(getattr(model, "language_model", None), torch.nn.Module):
+        raise CheckpointError(f"{model_class.__name__} has no `language_model` submodule, so its vision part "
+                              "cannot be built on its own")
+    for name in DROPPED_MODULES:
+        if isinstance(getattr(model, name, None), torch.nn.Module):
+            setattr(model, name, None)
+    return model
+
+
+def _checkpoint_keys_for(model: torch.nn.Module, files: dict[str, Path], folder: Path) -> dict[str, str]:
+    """Model key -> checkpoint key, through `transformers`' own renaming rules for this model."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    wanted = model.state_dict()
+    chosen: dict[str, str] = {}
+    for checkpoint_key in sorted(files):
+        key, converter_pattern = rename_source_key(checkpoint_key, renamings, converters,
+                                                   model.base_model_prefix, wanted)
+        if key not in wanted and checkpoint_key in wanted:
+            key, converter_pattern = checkpoint_key, None
+        if key not in wanted:
+            continue
+        if converter_pattern is not None:
+            raise CheckpointError(f"{folder}: encoder tensor {checkpoint_key} needs the conversion "
+                                  f"{converter_pattern!r}, which only a full from_pretrained applies")
+        chosen.setdefault(key, checkpoint_key)
+    return chosen
+
+
+def load_vision_part(folder: Path, model_class: type, config: Any, device: torch.device,
+                     dtype: torch.dtype) -> torch.nn.Module:
+    """The base model without its language model, filled from the folder's safetensors, on `device`."""
+    from safetensors import safe_open
+
+    model = build_without_language_model(model_class, config, dtype)
+    files = _shard_files(folder)
+    chosen = _checkpoint_keys_for(model, files, folder)
+    wanted = model.state_dict()
+    missing = sorted(set(wanted) - set(chosen))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
+    model.to_empty(device="cpu")
+    # Everything the checkpoint holds is marked initialised, so `initialize_weights` fills only the
+    # non-persistent buffers, as `from_pretrained` does; the loaded tensors are assigned after it anyway.
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name in chosen:
+            tensor._is_hf_initialized = True
+    model.initialize_weights()
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for key, checkpoint_key in chosen.items():
+        by_file.setdefault(files[checkpoint_key], []).append(key)
+    for path, keys in by_file.items():
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: shard {path.name} named in the index is missing")
+        with safe_open(str(path), "pt") as handle:
+            for key in keys:
+                state[key] = handle.get_tensor(chosen[key]).to(wanted[key].dtype)
+    model.load_state_dict(state, strict=True, assign=True)  # every persistent tensor, nothing else
+    return model.to(device=device).eval()
+
+
+def processor_settings(folder: Path) -> dict[str, Any]:
+    """The folder's `processor_config.json` (the full processor's own settings), or `{}` without one."""
+    path = folder / "processor_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def init_default(function: Any, name: str) -> Any:
+    """A keyword's default in a processor's `__init__`: what the full processor uses when the folder is silent."""
+    import inspect
+
+    return inspect.signature(function).parameters[name].default
+
+
+def source_init_defaults(module_name: str, class_name: str) -> dict[str, Any]:
+    """A class's `__init__` keyword defaults read from its module's source, for modules that cannot be imported here
+    (e.g. they import torchvision at the top) although the defaults are plain literals."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(f"{module_name} is not part of this transformers installation")
+    tree = ast.parse(Path(spec.origin).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    arguments = item.args.args[len(item.args.args) - len(item.args.defaults):]
+                    return {a.arg: ast.literal_eval(d) for a, d in zip(arguments, item.args.defaults)}
+    raise CheckpointError(f"{module_name} has no {class_name}.__init__")
+
+
+def as_images(items: Sequence[Any]) -> list[Image.Image]:
+    """The items as RGB PIL images, or an `ItemError` naming the first one that is not an image."""
+    for index, item in enumerate(items):
+        if not isinstance(item, Image.Image):
+            raise ItemError(f"item {index}: expected an image, got {type(item).__name__}")
+    return list(items)
+
+
+class VisionPartAdapter(EncoderAdapter):
+    """Shared plumbing of the adapters that run a `transformers` model's own `get_image_features`."""
+
+    def __init__(self, name: str, family: str, model: torch.nn.Module, hidden_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model = model.to(device=device).eval()  # already in `dtype` (see load_vision_part)
+        self.device = device
+        self.dtype = dtype
+        self.info = ModelInfo(name=name, family=family, modalities=("image",), hidden_size=int(hidden_size))
+
+    def sample_item(self) -> tuple[str, Any]:
+        return "image", Image.new("RGB", (64, 48), (128, 128, 128))
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Pixels in the encoder's dtype on its device; integer tensors (sizes) keep their dtype."""
+        if tensor.is_floating_point():
+            return tensor.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        return tensor.to(device=self.device, non_blocking=True)
+
+    @staticmethod
+    def flat_rows(pooler_output: Any) -> torch.Tensor:
+        """`get_image_features(...).pooler_output` (a tensor or a tuple of them) as rows `[tokens, hidden]` on CPU."""
+        parts = pooler_output if isinstance(pooler_output, (list, tuple)) else [pooler_output]
+        rows = torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
+        return rows.to("cpu").contiguous()

@@ -1,0 +1,386 @@
+"""Drive this encoder with SGLang's own, unchanged language-side code, and print a pass/fail table.
+
+Runs in the side venv that `scripts/sglang_compat.sh` builds (SGLang 0.5.23 and its imports, plus this
+server's dependencies), from the repository root:
+
+    PYTHONPATH=$PWD /work/sidevenv/bin/python scripts/sglang_compat.py
+
+It starts two encoders (the built-in `tiny-qwen2.5-vl`, `--wire-format sglang`, loopback only) and
+uses SGLang's `MMReceiverHTTP` (request building, dispatch, `/scheduler_receive_url` registration,
+ZMQ receive, `safe_pickle_loads`, part merging, the TP-wide status all-reduce) and
+`WaitingZmqRequest` exactly as shipped. Skipped, because they need a real LLM: the receivers'
+constructors (objects are made with `__new__` and given the attributes the constructor would set,
+on 127.0.0.1 / ::1) and the model's `mm_processor` (a stand-in keeps what SGLang hands it), and
+`create_req` (it builds the LLM's `Req` for an abort; the stand-in returns the rid).
+
+Checks, in both of SGLang's ZMQ modes:
+- `zmq_to_tokenizer` (`embedding_port` an int): one encoder, and a request split over two encoders
+  (two parts) merged in order;
+- `zmq_to_scheduler` (`embedding_port` null, two TP ranks in two processes with a gloo group, each
+  registering with `receive_count` 2; rank 0 on 127.0.0.1, rank 1 on ::1): one and two encoders;
+  a corrupt image making every rank fail within a second with our 400 message (from our ZMQ error
+  frames alone: the tokenizer's dispatch error is not forwarded to the ranks); a request nobody
+  registers for giving 502 after `--send-timeout-s`.
+Embeddings must be byte-identical to our own `return_embedding` output and grids equal to ours.
+Not run by CI (the install is several GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+import types
+import warnings
+from array import array
+
+SEND_TIMEOUT_S = 2.0
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+def record(step: str, ok: bool, detail: str = "") -> None:
+    RESULTS.append((step, ok, detail))
+    print(f"[{'PASS' if ok else 'FAIL'}] {step}" + (f": {detail}" if detail else ""), flush=True)
+
+
+def quiet() -> None:
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+
+
+def png_b64(width: int, height: int, seed: int) -> str:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class CapturingProcessor:
+    """Stands in for the model's mm_processor (it needs the LLM): keeps what SGLang hands it."""
+
+    prefer_tokenized_input = False
+
+    def get_validated_mm_data(self, prompt, embeddings, **meta):
+        return types.SimpleNamespace(input_ids=[0], mm_items=[], prompt=prompt, embeddings=embeddings, meta=meta)
+
+
+def tensor_report(captured) -> dict:
+    """What a receiver got: per-modality embedding bytes and dtype, and the grids SGLang merged."""
+    out = {"embeddings": {}, "grids": {}}
+    for modality, tensor in captured.embeddings.items():
+        tensor = tensor.contiguous()
+        out["embeddings"][modality.name] = (str(tensor.dtype), list(tensor.shape),
+                                            tensor.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    for key in ("img_grid_thw", "video_grid_thw", "audio_feature_lens"):
+        value = captured.meta.get(key)
+        out["grids"][key] = None if value is None else value.tolist()
+    return out
+
+
+# --- the scheduler side: one process per TP rank ------------------------------------------------
+
+class TpGroup:
+    """The two things SGLang's receiver uses of its TP group, over a gloo process group."""
+
+    def __init__(self, world: int) -> None:
+        import torch.distributed as dist
+
+        self.world = world
+        self.cpu_group = dist.group.WORLD
+
+    def all_gather_object(self, obj):
+        import torch.distributed as dist
+
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+
+def rank_main(rank: int, world: int, dist_port: int, host: str, commands: mp.Queue, results: mp.Queue) -> None:
+    quiet()
+    try:
+        import torch.distributed as dist
+        import zmq
+        from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP, _ReceiveRegistrationRunner
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.utils.network import get_zmq_socket_on_host
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+        receiver = MMReceiverHTTP.__new__(MMReceiverHTTP)  # what MMReceiverBase.__init__ sets on a scheduler rank
+        receiver.encoder_transfer_backend = "zmq_to_scheduler"
+        receiver.scheduler_context = zmq.Context()
+        receiver.registration_runner = _ReceiveRegistrationRunner(f"encoder-receive-registration-{rank}")
+        receiver.scheduler_embedding_port, receiver.scheduler_recv_socket = get_zmq_socket_on_host(
+            receiver.scheduler_context, zmq.PULL, host=host)
+        receiver.hostname = host
+        receiver.tp_size, receiver.tp_rank, receiver.tp_group = world, rank, TpGroup(world)
+        receiver.waiting_list, receiver.waiting_by_rid = [], {}
+        receiver.encode_urls = []
+        receiver.model_type = "qwen2_5_vl"
+        receiver.mm_processor = CapturingProcessor()
+        receiver.wait_timeout = 30
+        receiver.embedding_pool = None
+        receiver.create_req = lambda recv_req: recv_req.rid  # builds the LLM's Req for an abort
+        results.put(("ready", rank, receiver.scheduler_embedding_port))
+        while (command := commands.get()) is not None:
+            rid, num_items_assigned, encoder_urls = command
+            request = TokenizedGenerateReqInput(
+                rid=rid, input_text="<image>", input_ids=array("q", [1, 2, 3]), input_embeds=None, mm_inputs=None,
+                token_type_ids=None, sampling_params=SamplingParams(), return_logprob=False, logprob_start_len=-1,
+                top_logprobs_num=0, token_ids_logprob=None, stream=False, need_wait_for_mm_inputs=True,
+                num_items_assigned=num_items_assigned, encoder_urls=encoder_urls)
+            done, aborted = receiver.process_waiting_requests([request])
+            while not done and not aborted:  # the scheduler's event loop ticks
+                time.sleep(0.005)
+                done, aborted = receiver.process_waiting_requests([])
+            finished = time.time()
+            if done:
+                results.put(("done", rank, finished, tensor_report(done[0].mm_inputs)))
+            else:
+                _, message, code = aborted[0]
+                results.put(("failed", rank, finished, (message, int(code) if code is not None else None)))
+    except Exception:
+        results.put(("crashed", rank, time.time(), traceback.format_exc()))
+
+
+class Ranks:
+    """Two scheduler TP ranks in their own processes."""
+
+    def __init__(self, hosts: tuple[str, ...] = ("127.0.0.1", "::1")) -> None:
+        context = mp.get_context("spawn")
+        self.results = context.Queue()
+        self.commands = [context.Queue() for _ in hosts]
+        port = free_port()
+        self.processes = [context.Process(target=rank_main, args=(rank, len(hosts), port, host, self.commands[rank],
+                                                                  self.results), daemon=True)
+                          for rank, host in enumerate(hosts)]
+        for process in self.processes:
+            process.start()
+        self.ports = {}
+        for _ in hosts:
+            kind, rank, *rest = self.results.get(timeout=180)
+            if kind != "ready":
+                raise RuntimeError(f"rank {rank} did not start: {rest[-1]}")
+            self.ports[rank] = rest[0]
+
+    def run(self, rid: str, num_items_assigned, encoder_urls) -> None:
+        for commands in self.commands:
+            commands.put((rid, num_items_assigned, encoder_urls))
+
+    def collect(self, timeout: float = 60.0) -> dict[int, tuple]:
+        found = {}
+        while len(found) < len(self.commands):
+            kind, rank, when, payload = self.results.get(timeout=timeout)
+            found[rank] = (kind, when, payload)
+        return found
+
+    def close(self) -> None:
+        for commands in self.commands:
+            commands.put(None)
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+
+# --- the tokenizer side ----------------------------------------------------------------------
+
+def tokenizer_receiver(urls: list[str], backend: str):
+    import zmq.asyncio
+    from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP
+
+    receiver = MMReceiverHTTP.__new__(MMReceiverHTTP)  # what MMReceiverBase.__init__ sets on the tokenizer
+    receiver.context = zmq.asyncio.Context()
+    receiver.encoder_transfer_backend = backend
+    receiver.encode_urls = list(urls)
+    receiver.host = "127.0.0.1"
+    receiver.recv_timeout = 30
+    receiver.model_type = "qwen2_5_vl"
+    return receiver
+
+
+def reference(url: str, items: list[str]) -> tuple[bytes, list]:
+    """Our own answer for the items: `return_embedding` bytes and each item's grid."""
+    import httpx
+
+    response = httpx.post(url + "/encode", json={"req_id": f"ref-{time.monotonic_ns()}", "modality": "image",
+                                                 "mm_items": items, "return_embedding": True}, timeout=60)
+    response.raise_for_status()
+    body = response.json()
+    return base64.b64decode(body["embedding"]), [item["grid_thw"] for item in body["items"]]
+
+
+def compare(report: dict, expected: tuple[bytes, list]) -> tuple[bool, str]:
+    got = report["embeddings"].get("IMAGE")
+    if got is None:
+        return False, f"no IMAGE embedding (got {sorted(report['embeddings'])})"
+    dtype, shape, raw = got
+    grids = report["grids"]["img_grid_thw"]
+    ok = raw == expected[0] and grids == expected[1]
+    return ok, (f"{shape[0]}x{shape[1]} {dtype.removeprefix('torch.')}, {len(raw)} bytes "
+                f"{'identical' if raw == expected[0] else 'DIFFERENT'}; img_grid_thw {grids}"
+                f"{'' if grids == expected[1] else f' != ours {expected[1]}'}")
+
+
+def generate_request(items: list[str]):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return GenerateReqInput(text="<image>" * len(items), image_data=list(items), rid=f"req{time.monotonic_ns()}")
+
+
+def tokenizer_mode(urls: list[str], items: list[str], expected, step: str) -> None:
+    receiver = tokenizer_receiver(urls, "zmq_to_tokenizer")
+    started = time.monotonic()
+    captured = asyncio.run(receiver.recv_mm_data(generate_request(items), CapturingProcessor(), "<image>"))
+    if captured is None:
+        record(step, False, "SGLang's recv_mm_data returned None (see the log above)")
+        return
+    ok, detail = compare(tensor_report(captured), expected)
+    record(step, ok, f"{detail}; {time.monotonic() - started:.2f} s")
+
+
+def scheduler_mode(ranks: Ranks, urls: list[str], items: list[str], expected, step: str) -> None:
+    receiver = tokenizer_receiver(urls, "zmq_to_scheduler")
+    obj = generate_request(items)
+    errors = []
+    ready = receiver._send_encode_request(obj, on_dispatch_error=errors.append)
+    ranks.run(obj.rid, obj.num_items_assigned, obj.encoder_urls)
+    ready.set()
+    outcome = ranks.collect()
+    details, ok = [], not errors
+    for rank, (kind, _, payload) in sorted(outcome.items()):
+        if kind != "done":
+            ok = False
+            details.append(f"rank {rank} {kind}: {payload if kind != 'crashed' else payload[-400:]}")
+            continue
+        rank_ok, detail = compare(payload, expected)
+        ok &= rank_ok
+        details.append(f"rank {rank}: {detail}")
+    parts = sum(1 for count in obj.num_items_assigned[next(iter(obj.num_items_assigned))] if count)
+    record(step, ok, f"{parts} part(s); " + "; ".join(details) + (f"; dispatch error {errors}" if errors else ""))
+
+
+def corrupt_image(ranks: Ranks, url: str, good: str) -> None:
+    step = "zmq_to_scheduler: corrupt image fails every rank within 1 s with our 400 message"
+    receiver = tokenizer_receiver([url], "zmq_to_scheduler")
+    obj = generate_request([good, base64.b64encode(b"this is not an image").decode()])
+    errors = []
+    started = time.time()
+    ready = receiver._send_encode_request(obj, on_dispatch_error=errors.append)
+    ranks.run(obj.rid, obj.num_items_assigned, obj.encoder_urls)  # the dispatch error is NOT forwarded to them
+    ready.set()
+    outcome = ranks.collect()
+    deadline = time.time() + 10
+    while not errors and time.time() < deadline:
+        time.sleep(0.01)
+    ours = errors[0].error_msg if errors else None
+    ok = bool(errors) and errors[0].error_code == 400
+    details = [f"/encode answered {errors[0].error_code if errors else 'nothing'}: {ours!r}"]
+    for rank, (kind, when, payload) in sorted(outcome.items()):
+        rank_ok = kind == "failed" and payload == (ours, 400) and when - started < 1.0
+        ok &= rank_ok
+        details.append(f"rank {rank} {kind} after {when - started:.3f} s with {payload!r}")
+    record(step, ok, "; ".join(details))
+
+
+def never_registered(url: str, item: str) -> None:
+    step = f"zmq_to_scheduler: nobody registers -> 502 after --send-timeout-s {SEND_TIMEOUT_S:g}"
+    receiver = tokenizer_receiver([url], "zmq_to_scheduler")
+    obj = generate_request([item])
+    mm_data = receiver._extract_url_data(obj)
+    started = time.monotonic()
+    error = asyncio.run(receiver.encode(obj.rid, mm_data, None, "encode", encode_urls=[url]))
+    elapsed = time.monotonic() - started
+    ok = error is not None and error.error_code == 502 and SEND_TIMEOUT_S <= elapsed < SEND_TIMEOUT_S + 2
+    code, message = getattr(error, "error_code", None), getattr(error, "error_msg", None)
+    record(step, ok, f"{code} after {elapsed:.2f} s: {message!r}")
+
+
+def registry_round_trip(flags: tuple[str, ...]) -> None:
+    """`--register-with` against SGLang's own EncoderBootstrapServer: listed on start, gone after drain."""
+    from sglang.srt.disaggregation.encoder.receiver import EncoderBootstrapServer
+
+    from encode_server.bench.launcher import ServerProcess
+
+    step = "--register-with: SGLang's EncoderBootstrapServer lists us on start, drops us on drain"
+    port = free_port()
+    registry = EncoderBootstrapServer("127.0.0.1", port, urls=[], health_check_interval=0)
+    try:
+        with ServerProcess(*flags, "--register-with", f"http://127.0.0.1:{port}") as server:
+            deadline = time.monotonic() + 30
+            while server.url not in registry.list_urls() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            listed = registry.list_urls()
+        deadline = time.monotonic() + 10
+        while registry.list_urls() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = registry.list_urls()
+        record(step, listed == [server.url] and after == [], f"while serving {listed}, after drain {after}")
+    finally:
+        registry.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-qwen2.5-vl")
+    args = parser.parse_args()
+    quiet()
+    import httpx
+    import sglang
+
+    from encode_server.bench.launcher import ServerProcess
+
+    print(f"SGLang {sglang.__version__} from {os.path.dirname(sglang.__file__)}", flush=True)
+    flags = ("--model", args.model, "--wire-format", "sglang", "--send-timeout-s", str(SEND_TIMEOUT_S))
+    image_a, image_b = png_b64(56, 84, seed=1), png_b64(112, 56, seed=2)
+    data_uri_b = "data:image/png;base64," + image_b
+    with ServerProcess(*flags) as first, ServerProcess(*flags) as second:
+        info = httpx.get(first.url + "/server_info").json()["settings"]
+        record("our servers start with --wire-format sglang", info.get("wire_format") == "sglang",
+               f"wire_format={info.get('wire_format')!r}, "
+               f"sglang_embedding_class={info.get('sglang_embedding_class')!r}")
+        both = reference(first.url, [image_a, data_uri_b])
+        tokenizer_mode([first.url], [image_a, data_uri_b], both, "zmq_to_tokenizer: one encoder, two images")
+        tokenizer_mode([first.url, second.url], [image_a, data_uri_b], both,
+                       "zmq_to_tokenizer: two encoders, two parts merged in order")
+        ranks = Ranks()
+        try:
+            scheduler_mode(ranks, [first.url], [image_a, data_uri_b], both,
+                           "zmq_to_scheduler: 2 TP ranks (127.0.0.1 and [::1]), receive_count 2, one encoder")
+            scheduler_mode(ranks, [first.url, second.url], [image_a, data_uri_b], both,
+                           "zmq_to_scheduler: 2 TP ranks, two encoders, two parts merged in order")
+            corrupt_image(ranks, first.url, image_a)
+        finally:
+            ranks.close()
+        never_registered(first.url, image_a)
+    registry_round_trip(flags)
+    width = max(len(step) for step, _, _ in RESULTS)
+    print("\n| step | result |\n| --- | --- |")
+    for step, ok, _ in RESULTS:
+        print(f"| {step.ljust(width)} | {'PASS' if ok else 'FAIL'} |")
+    passed = sum(ok for _, ok, _ in RESULTS)
+    print(f"\n{passed} passed, {len(RESULTS) - passed} failed")
+    return 0 if passed == len(RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

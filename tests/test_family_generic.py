@@ -1,0 +1,107 @@
+"""The generic path: a family no module declares (LLaVA here) is served exactly through its own
+`get_image_features` and full processor; models whose rows cannot be counted are refused at start-up,
+each refusal naming what is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from processors.checkpoint import CheckpointError
+from processors.generic import FAMILY, GenericAdapter, generic_from_folder
+from processors.registry import FALLBACK_FAMILY, family_for_model_type, family_named, load_checkpoint
+
+from .other_family_checkpoints import (
+    blip2_checkpoint,
+    llama_checkpoint,
+    llava_checkpoint,
+    llava_onevision_checkpoint,
+    random_image,
+    rel_diff,
+    spliced_rows,
+)
+
+CPU, F32 = torch.device("cpu"), torch.float32
+SIZES = [(50, 50), (120, 40), (33, 90)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoProcessor
+
+    model, folder = llava_checkpoint(tmp_path_factory.mktemp("llava"))
+    return model, folder, AutoProcessor.from_pretrained(folder), load_checkpoint(folder, CPU, F32)
+
+
+def images():
+    return [random_image(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
+
+
+def test_an_undeclared_model_type_falls_back_to_the_generic_family(checkpoint):
+    adapter = checkpoint[3]  # from registry.load_checkpoint
+    assert family_for_model_type("llava") is None and family_named(FALLBACK_FAMILY) is FAMILY
+    assert FAMILY.shard is None and isinstance(adapter, GenericAdapter)
+    assert adapter.info.family == "llava" and adapter.info.hidden_size == 64
+
+
+def test_fused_items_equal_get_image_features_alone(checkpoint):
+    model, _, processor, adapter = checkpoint
+    items = images()
+    batch = adapter.preprocess("image", items)
+    assert batch.layouts == [adapter.item_layout("image", image) for image in items]
+    fused = adapter.forward(batch)
+    alone = []
+    for image in items:
+        with torch.no_grad():
+            out = model.model.get_image_features(pixel_values=processor(images=[image], text=["<image>"],
+                                                                        return_tensors="pt")["pixel_values"])
+        alone.append(torch.cat([part.reshape(-1, part.shape[-1]) for part in out.pooler_output]))
+    assert fused.shape[0] == 16 * len(items)
+    assert rel_diff(fused, torch.cat(alone)) <= 1e-5
+
+
+def test_rows_fill_exactly_the_image_tokens_the_full_processor_inserts(checkpoint):
+    model, _, processor, adapter = checkpoint
+    for image in images():
+        inputs = processor(text=["describe <image> image"], images=[image], return_tensors="pt")
+        placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
+        rows = adapter.forward(adapter.preprocess("image", [image]))
+        assert adapter.item_layout("image", image).tokens == placeholders == rows.shape[0]
+        assert rel_diff(rows, spliced_rows(model, inputs, model.config.image_token_id)) <= 1e-5
+
+
+def test_collate_joins_per_item_batches_in_order(checkpoint):
+    adapter = checkpoint[3]
+    items = images()
+    collated = adapter.collate([adapter.preprocess("image", [image]) for image in items])
+    assert collated.layouts == adapter.preprocess("image", items).layouts
+    assert torch.equal(adapter.forward(collated), adapter.forward(adapter.preprocess("image", items)))
+
+
+def test_a_processor_that_miscounts_its_own_tokens_is_refused(checkpoint, tmp_path):
+    """num_additional_image_tokens=0 with a CLIP class token: the processor inserts 15 tokens, the model gives 16."""
+    _, folder = llava_checkpoint(tmp_path / "miscount", num_additional_image_tokens=0)
+    with pytest.raises(CheckpointError, match="cannot be counted exactly"):
+        generic_from_folder(folder, CPU, F32)
+
+
+@pytest.mark.parametrize("build, reason", [
+    (llama_checkpoint, "LlamaModel has no get_image_features"),
+    (blip2_checkpoint, "Blip2Processor has no _get_num_multimodal_tokens"),
+    (llava_onevision_checkpoint, "full processor does not load here"),  # its video processor needs torchvision
+], ids=["text-only", "no-token-count", "processor-needs-torchvision"])
+def test_models_whose_rows_cannot_be_counted_are_refused_naming_why(build, reason, tmp_path):
+    result = build(tmp_path / "model")
+    folder = result[1] if isinstance(result, tuple) else result
+    with pytest.raises(CheckpointError, match=reason):
+        generic_from_folder(folder, CPU, F32)
+
+
+def test_a_model_type_transformers_does_not_know_is_refused(checkpoint, tmp_path):
+    folder = tmp_path / "unknown"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "no_such_vlm"}))
+    with pytest.raises(CheckpointError, match="no_such_vlm"):
+        load_checkpoint(folder, CPU, F32)
