@@ -172,11 +172,14 @@ def wav_and_flac(seconds: float, seed: int) -> tuple[bytes, bytes, bytes]:
     return out[0], out[1], out[2]
 
 
-@pytest.mark.parametrize("model", ["tiny-internvl", "tiny-qwen2-audio"])
+@pytest.mark.parametrize("model", ["tiny-internvl", "tiny-qwen2-audio", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_other_families_cached_rows_are_bit_identical_to_a_fresh_encode(model):
     with ServerProcess(*CACHED, "--model", model, "--max-wait-ms", "150") as family_server:
         if model == "tiny-internvl":
             items, copies = image_items(500, [(56, 56), (112, 56), (168, 56), (56, 112), (100, 60), (64, 64)])
+            check_bit_identical(family_server, "image", items, copies)
+        elif model != "tiny-qwen2-audio":
+            items, copies = image_items(550, [(64, 64), (128, 64), (96, 96), (64, 128), (160, 96), (96, 64)])
             check_bit_identical(family_server, "image", items, copies)
         else:
             clips = [wav_and_flac(0.5 + 0.3 * i, seed=600 + i) for i in range(4)]
