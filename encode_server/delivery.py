@@ -58,7 +58,7 @@ class NativeWire:
             req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
             dtype=DTYPE_NAMES[part.embedding.dtype] if part is not None else self._dtype,
             shape=tuple(part.embedding.shape) if part is not None else (0, self._width),
-            items=[layout.as_json() for layout in part.layouts] if part is not None else [],
+            items=part.items_json() if part is not None else [],
             error=error, deepstack=self._deepstack,
         )
 

@@ -308,6 +308,17 @@ def _header_pixels(data: bytes) -> int:
     return width * height
 
 
+@dataclass(frozen=True)
+class RawItem:
+    """One item's bytes as received or fetched (a video's frames: a list) and their digest; `loaded` is the
+    item decoded when `MediaLoader.read` expected the cache to miss it, else None."""
+
+    source: MediaSource
+    data: bytes | list[bytes]
+    digest: Any
+    loaded: LoadedItem | None = None
+
+
 class MediaLoader:
     """Fetches and decodes items; decoding runs in `pool`, fetching on one shared aiohttp session."""
 
@@ -349,6 +360,56 @@ class MediaLoader:
             if isinstance(result, BaseException):
                 raise result
         return list(results)  # type: ignore[arg-type]
+
+    async def read(self, modality: str, sources: Sequence[MediaSource], digest: Callable[[bytes | list[bytes]], Any],
+                   describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> list[RawItem]:
+        """Every item's bytes (URLs fetched, inline items un-base64'd, files read, a video's frame files one
+        by one) and `digest` of them; the first item's error in item order. This is where the embedding
+        cache looks items up: raw bytes known, not yet decoded.
+
+        In the same trip to the pool, an item whose digest is not `known` (a thread-safe hint: the cache
+        holds it or is computing it) is decoded at once, so a miss costs no second trip; a known one is
+        left undecoded (`loaded` None): a hit skips decoding.
+        """
+        results = await asyncio.gather(*(self._read_one(modality, source, digest, describe, known)
+                                         for source in sources), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)  # type: ignore[arg-type]
+
+    async def _read_one(self, modality: str, source: MediaSource, digest: Callable[[bytes | list[bytes]], Any],
+                        describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> RawItem:
+        if source.kind == "frames":
+            if len(source.value) > self.limits.max_video_frames:
+                raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
+                                                  f"{self.limits.max_video_frames}")
+            parts: bytes | MediaSource | list[bytes | MediaSource] = [
+                await self._raw_bytes(frame, "image") for frame in source.value]
+        else:
+            parts = await self._raw_bytes(source, modality)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._read_in_pool, modality, source, parts, digest, describe, known)
+
+    def _read_in_pool(self, modality: str, source: MediaSource, parts: Any, digest: Callable[[Any], Any],
+                      describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> RawItem:
+        data = [self._bytes_of(part) for part in parts] if isinstance(parts, list) else self._bytes_of(parts)
+        key = digest(data)
+        if known(key):
+            return RawItem(source, data, key)
+        if isinstance(data, list):
+            return RawItem(source, data, key, self._decode_frames(data, source, modality, describe))
+        return RawItem(source, data, key, self._decode(data, source, modality, describe))
+
+    async def decode_read(self, modality: str, item: RawItem, describe: Callable[[str, Any], Any]) -> LoadedItem:
+        """An item `read` returned, decoded (at once when `read` already did it, else in the pool)."""
+        if item.loaded is not None:
+            return item.loaded
+        loop = asyncio.get_running_loop()
+        if isinstance(item.data, list):
+            return await loop.run_in_executor(self._pool, self._decode_frames, item.data, item.source, modality,
+                                              describe)
+        return await loop.run_in_executor(self._pool, self._decode, item.data, item.source, modality, describe)
 
     async def _load_one(self, modality: str, source: MediaSource,
                         describe: Callable[[str, Any], Any]) -> LoadedItem:

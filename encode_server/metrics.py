@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # `*_created` series only add noise to dashboards.
 disable_created_metrics()
@@ -27,7 +29,9 @@ TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
 class _Finished:
     at: float
     latency_s: float
-    batch_size: int
+    batch_size: int  # 0: every item came from the embedding cache, no forward served the request
+    items: int = 0
+    cached_items: int = 0
 
 
 class PerformanceWindow:
@@ -38,8 +42,8 @@ class PerformanceWindow:
         self._clock = clock
         self._finished: deque[_Finished] = deque()
 
-    def record(self, latency_s: float, batch_size: int) -> None:
-        self._finished.append(_Finished(self._clock(), latency_s, batch_size))
+    def record(self, latency_s: float, batch_size: int, items: int = 0, cached_items: int = 0) -> None:
+        self._finished.append(_Finished(self._clock(), latency_s, batch_size, items, cached_items))
         self._prune()
 
     def _prune(self) -> None:
@@ -58,7 +62,9 @@ class PerformanceWindow:
                 return 0.0
             return latencies[min(len(latencies) - 1, int(q * len(latencies)))]
 
-        avg_batch = sum(item.batch_size for item in finished) / count if count else 0.0
+        forwarded = [item.batch_size for item in finished if item.batch_size > 0]
+        avg_batch = sum(forwarded) / len(forwarded) if forwarded else 0.0
+        items = sum(item.items for item in finished)
         span = min(self.window_s, max(self._clock() - finished[0].at, 1e-9)) if count else self.window_s
         return {
             "window_s": self.window_s,
@@ -72,6 +78,7 @@ class PerformanceWindow:
             "avg_batch_size": avg_batch,
             "batching_efficiency": avg_batch / max_batch_size if max_batch_size else 0.0,
             "queue_depth": queue_depth,
+            "cache_hit_rate": sum(item.cached_items for item in finished) / items if items else 0.0,
         }
 
 
@@ -117,7 +124,8 @@ class ServerMetrics:
             "encoder_queue_wait_seconds", "Time from admission to dispatch in a batch", ["modality", "priority"],
             buckets=SECONDS_BUCKETS, registry=r)
         self.preprocess = Histogram(
-            "encoder_preprocess_seconds", "Media decode per request, and the processor call per batch",
+            "encoder_preprocess_seconds",
+            "Media read (and hashed, with the cache) and decoded per request, and the processor call per batch",
             ["modality", "stage"], buckets=SECONDS_BUCKETS, registry=r)
         self.forward = Histogram(
             "encoder_forward_seconds", "One encoder forward", ["modality"], buckets=SECONDS_BUCKETS, registry=r)
@@ -144,3 +152,29 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_cache(self, cache) -> None:
+        """Export an `embedding_cache.EmbeddingCache`'s counters, read from it at every scrape."""
+        self.registry.register(CacheCollector(cache))
+
+
+class CacheCollector(Collector):
+    """The embedding cache's counters as Prometheus series, read at scrape time (no double bookkeeping)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        stats = self.cache.stats
+        yield CounterMetricFamily("encoder_cache_hits_total", "Items served without an encode of their own "
+                                  "(from the cache, or by joining an identical item's encode in flight)",
+                                  value=stats.hits)
+        yield CounterMetricFamily("encoder_cache_misses_total", "Items encoded because the cache did not hold them",
+                                  value=stats.misses)
+        yield CounterMetricFamily("encoder_cache_inflight_joins_total", "Hits that waited for an identical item's "
+                                  "encode already in flight", value=stats.joined)
+        yield CounterMetricFamily("encoder_cache_evictions_total", "Entries evicted to stay within --cache-bytes",
+                                  value=stats.evictions)
+        yield GaugeMetricFamily("encoder_cache_bytes", "Bytes the embedding cache holds (rows plus per-entry overhead)",
+                                value=self.cache.bytes_held)
+        yield GaugeMetricFamily("encoder_cache_entries", "Items the embedding cache holds", value=len(self.cache))

@@ -97,3 +97,11 @@ class EncodedPart:
     layouts: tuple[ItemLayout, ...]
     batch_size: int
     timings: Timings = Timings()
+    cached: tuple[bool, ...] = ()  # per item: served by the embedding cache (empty: the cache was not asked)
+
+    def items_json(self) -> list[dict[str, Any]]:
+        """The response's and the wire header's `items`: each layout, and `cached` when the cache was asked."""
+        items = [layout.as_json() for layout in self.layouts]
+        for item, cached in zip(items, self.cached):
+            item["cached"] = cached
+        return items

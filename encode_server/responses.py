@@ -38,7 +38,7 @@ async def encode_response(meta: PartMeta, part: EncodedPart, return_embedding: b
         "modality": meta.modality,
         "embedding_shape": list(embedding.shape),
         "dtype": DTYPE_NAMES[embedding.dtype],
-        "items": [layout.as_json() for layout in part.layouts],
+        "items": part.items_json(),
         "batch_size": part.batch_size,
     }
     if deepstack:

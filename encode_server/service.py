@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -26,14 +27,16 @@ from processors.dtypes import DTYPE_NAMES
 from .admission import Admission
 from .clock import Clock, MonotonicClock
 from .delivery import Delivery, NativeWire, WireFormat
+from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
 from .engine import EncoderEngine
 from .health import HealthProbe
-from .media import MediaError, MediaLimits, MediaLoader, parse_item
+from .media import MediaError, MediaLimits, MediaLoader, MediaSource, RawItem, parse_item
+from .memory import default_cache_bytes
 from .metrics import LoopLagMonitor, ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
 from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
-from .records import EncodedPart, EncodeError, EncodeJob, PartMeta
+from .records import EncodedPart, EncodeError, EncodeJob, PartMeta, Timings
 from .responses import encode_response
 from .scheduler import EncoderScheduler
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
@@ -121,6 +124,8 @@ class EncoderService:
         # With a pool, images are only opened here (header: size and pixel limit, for the layout); the
         # pool's workers decode them in full.
         self.media = MediaLoader(self._media_pool, limits, header_only_images=self.preprocess_pool is not None)
+        self.cache, self.item_keys = build_cache(settings, adapter, self.media.limits)
+        self.metrics.watch_cache(self.cache)
         replicas = None
         if group is not None and group.role == "dp":
             replicas = DataParallelReplicas(group, asyncio.get_running_loop())
@@ -195,7 +200,8 @@ class EncoderService:
                 ticket.status = "cancelled"
                 raise
             ticket.status = "200"
-            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size)
+            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
+                                            sum(part.cached))
             return response
 
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
@@ -210,11 +216,14 @@ class EncoderService:
 
     async def _encode_items(self, meta: PartMeta, raw_items: list[Any], deadline: float,
                             probe: bool = False, priority: int = 0) -> EncodedPart:
-        """Fetch and decode a part's items (each on its own), then encode them in a fused batch."""
+        """Fetch and decode a part's items (each on its own), then encode them in a fused batch; with the
+        embedding cache on, only the items it does not hold (health probes always go to the encoder)."""
         decode_started = time.perf_counter()
         CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
+            if self.cache.enabled and not probe:
+                return await self._encode_through_cache(meta, sources, decode_started, priority)
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
@@ -224,6 +233,71 @@ class EncoderService:
                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
                         decode_s=decode_s, probe=probe)
         return await self.scheduler.submit(job, deadline, priority)
+
+    async def _encode_through_cache(self, meta: PartMeta, sources: list[MediaSource], started: float,
+                                    priority: int = 0) -> EncodedPart:
+        """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
+        encoded for other requests, and encode only the rest, in one job; rows come back in item order.
+
+        The missing items' decode and encode run in the cache's shared computation, detached from this
+        request: if it is cancelled or times out, requests waiting for the same items still get them.
+        """
+        read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality),
+                                     self.adapter.item_layout, self.cache.probably_holds)
+        read_s = time.perf_counter() - started
+        own: list[EncodedPart] = []
+
+        async def compute(positions: list[int]) -> list[CachedItem]:
+            part = await self._encode_missing(meta, [read[position] for position in positions], priority)
+            own.append(part)
+            rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
+            return [CachedItem.compact(item_rows, layout) for item_rows, layout in zip(rows, part.layouts)]
+
+        try:
+            resolved = await self.cache.resolve([item.digest for item in read], compute)
+        except MediaError as exc:  # an item's decode failed, maybe in another request's computation
+            raise EncodeError(400, _relocated(exc, read), meta.req_id) from None
+        except EncodeError as exc:  # the encoder failed; the error may come from another request's computation
+            raise EncodeError(exc.status, exc.message, meta.req_id, exc.headers) from None
+        rows = [result.item.rows for result in resolved]
+        part = own[0] if own else None
+        timings = part.timings if part else Timings()
+        timings = dataclasses.replace(timings, preprocess=timings.preprocess + read_s * 1e3)
+        self.metrics.preprocess.labels(meta.modality, "read").observe(read_s)
+        if part is not None and len(part.layouts) == len(rows):  # every item encoded here, in order: no copy
+            embedding = part.embedding
+        else:
+            embedding = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return EncodedPart(embedding=embedding,
+                           layouts=tuple(result.item.layout for result in resolved),
+                           batch_size=part.batch_size if part else 0, timings=timings,
+                           cached=tuple(result.cached for result in resolved))
+
+    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], priority: int = 0) -> EncodedPart:
+        """Decode the items the cache misses and encode them as one job (deadline: the longest a request may
+        wait, since requests other than `meta`'s may be waiting for it; the cache cancels it when none is)."""
+        started = time.perf_counter()
+
+        async def decode(item: RawItem):
+            try:
+                return await self.media.decode_read(meta.modality, item, self.adapter.item_layout)
+            except MediaError as exc:
+                exc.item_digest, exc.item_location = item.digest, item.source.location
+                raise
+
+        if len(items) == 1:
+            results = [await decode(items[0])]
+        else:
+            results = await asyncio.gather(*(decode(item) for item in items), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        decode_s = time.perf_counter() - started
+        self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
+        job = EncodeJob(meta=meta, items=tuple(item.decoded for item in results),
+                        layouts=tuple(item.layout for item in results), raw_items=tuple(item.raw for item in results),
+                        decode_s=decode_s)
+        return await self.scheduler.submit(job, self.clock.now() + self.settings.req_timeout_s, priority)
 
     async def register_receiver(self, payload: Any) -> dict[str, Any]:
         """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""
@@ -311,4 +385,31 @@ class EncoderService:
     def performance(self) -> dict[str, Any]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
         summary["cost_model"] = self.scheduler.costs.summary(self.settings.max_batch_size, self.clock.now())
+        stats = self.cache.stats
+        summary["cache"] = {"enabled": self.cache.enabled, "capacity_bytes": self.cache.capacity_bytes,
+                            "bytes": self.cache.bytes_held, "entries": len(self.cache), "hits": stats.hits,
+                            "misses": stats.misses, "inflight_joins": stats.joined, "evictions": stats.evictions,
+                            "hit_rate": stats.hit_rate}
         return summary
+
+
+def build_cache(settings: Settings, adapter: EncoderAdapter,
+                limits: MediaLimits) -> tuple[EmbeddingCache, ItemKeys | None]:
+    """The embedding cache (`--cache-bytes`; auto: see `memory.default_cache_bytes`) and its keys: the
+    model's fingerprint plus the decode settings that change an item's rows."""
+    capacity = default_cache_bytes() if settings.cache_bytes == "auto" else int(settings.cache_bytes)
+    cache = EmbeddingCache(capacity)
+    if not cache.enabled:
+        return cache, None
+    decode_settings = {"video": {"fps": limits.video_fps, "max_frames": limits.max_video_frames},
+                       "audio": {"sample_rate": limits.audio_sample_rate}}
+    return cache, ItemKeys(adapter_fingerprint(adapter), decode_settings)
+
+
+def _relocated(error: MediaError, read: list[RawItem]) -> str:
+    """A decode error named with this request's item index (it may come from another request's computation)."""
+    digest = getattr(error, "item_digest", None)
+    for item in read:
+        if digest is not None and item.digest == digest:
+            return f"{item.source.location}{error.location[len(error.item_location):]}: {error.message}"
+    return str(error)

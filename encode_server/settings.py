@@ -17,6 +17,8 @@ from typing import Any
 
 from processors.dtypes import DTYPES
 
+from .memory import parse_cache_bytes
+
 
 def parse_bool(text: str | bool) -> bool:
     """Read a boolean the way operators write one: true/false, 1/0, yes/no, on/off."""
@@ -144,6 +146,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--preprocess-device", str, "cpu",
            "where image preprocessing runs: cpu (PIL) or cuda (transformers' fast image processors on the "
            "model's GPU; needs a CUDA device and torchvision)", choices=("cpu", "cuda")),
+    Option("--cache-bytes", parse_cache_bytes, "auto",
+           "bound of the per-item embedding cache in bytes (e.g. 536870912 or 512MiB); auto: 5 percent of the memory, "
+           "at most 1 GiB; 0 turns the cache and in-flight deduplication off"),
 )
 
 
@@ -192,6 +197,7 @@ class Settings:
     max_priority: int = DEFAULTS["max_priority"]
     preprocess_workers: int = DEFAULTS["preprocess_workers"]
     preprocess_device: str = DEFAULTS["preprocess_device"]
+    cache_bytes: int | str = DEFAULTS["cache_bytes"]  # "auto" or bytes; memory.default_cache_bytes resolves "auto"
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",

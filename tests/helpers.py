@@ -31,7 +31,15 @@ def decode_embedding(response: dict) -> np.ndarray:
 
 
 class ServerProcess(_Launcher):
-    """The launcher, plus reading one sample of `/metrics`."""
+    """The launcher, plus reading one sample of `/metrics`.
+
+    Test servers run with the embedding cache off (`ENCODER_CACHE_BYTES=0`) unless a test turns it on
+    with `--cache-bytes` or its own environment: most tests send the same few images again and again to
+    exercise batching, deadlines and delivery, which a cache would answer without reaching the encoder.
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, env={"ENCODER_CACHE_BYTES": "0", **(env or {})}, **kwargs)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of `/metrics` (0 when absent)."""

@@ -23,9 +23,10 @@ from processors import load_adapter
 from .fakes import FakeClock, settle
 from .helpers import image_b64
 
-#: Holds every request (min batch never reached) until the fake clock passes 2.5 + 0.5 s.
+#: Holds every request (min batch never reached) until the fake clock passes 2.5 + 0.5 s. The embedding
+#: cache is off: these tests send the same images again and again to reach the encoder's queue.
 HOLDING = Settings(max_wait_ms=2500, min_batch_size=1000, hard_timeout_additional_s=0.5, max_pending=3,
-                   req_timeout_s=20, max_request_bytes=200_000)
+                   req_timeout_s=20, max_request_bytes=200_000, cache_bytes=0)
 
 
 @pytest.fixture(scope="module")

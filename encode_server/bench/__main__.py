@@ -2,11 +2,18 @@
 
 Configurations (`--compare`): `on` (dynamic batching), `off` (one request per forward, the
 baseline), `ray` (the same model behind Ray Serve's `@serve.batch`, skipped when Ray is absent),
-and `ceiling` (the same batches through the model in a loop, no HTTP). For each server: a
-closed-loop concurrency sweep and an open-loop Poisson rate sweep, then its batch-size histogram
-from `/metrics`. Writes `results.json` and PNG plots into `--out`.
+`ceiling` (the same batches through the model in a loop, no HTTP), and `cache-on` / `cache-off`
+(dynamic batching with the embedding cache at `--cache-bytes`, and with it off; `on` and `off` run
+with the cache off, so that they measure batching alone). Workloads (`--workload`, see
+`workloads.py`): `single` (one image per request), `chat` (Zipf-popular conversations re-sending
+earlier turns' images) and `unique` (chat's shape, nothing ever repeated: the cache's worst case);
+every configuration gets a fresh server per workload. For each server: a closed-loop concurrency
+sweep and an open-loop Poisson rate sweep, with per point the cache's hit rate and the tokens
+encoded (from `/metrics`), the server's resident memory and the bytes its cache holds; then its
+batch-size histogram. Writes `results.json` and PNG plots into `--out`.
 
     encode-bench --compare on,off,ray,ceiling --concurrency 1,16,64 --rates 50,150,300 --out bench-results
+    encode-bench --compare cache-on,cache-off --workload chat,unique --concurrency 1,32 --rates 100 --out bench-cache
     encode-bench --url http://127.0.0.1:30000 --concurrency 8   # a server that is already running
 """
 
@@ -15,13 +22,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import httpx
 
+from ..memory import cpu_seconds, resident_bytes
 from .launcher import ServerProcess
 from .load import closed_loop, make_payloads, open_loop
+from .workloads import WORKLOADS, make_workload
+
+#: Server configurations and the flags that make them (besides the model and batching settings).
+SERVER_CONFIGS = ("on", "off", "cache-on", "cache-off")
+
+#: `/metrics` series read around every point (summed over their labels).
+POINT_METRICS = ("encoder_cache_hits_total", "encoder_cache_misses_total", "encoder_cache_bytes",
+                 "encoder_batch_tokens_sum", "encoder_forward_seconds_count")
 
 
 def batch_histogram(url: str) -> dict[str, float]:
@@ -51,32 +68,128 @@ def progress_bar(total: int, label: str):
         return None
 
 
-def sweep(url: str, config: str, args, payloads: list[str]) -> list[dict]:
-    """The closed-loop points, then the open-loop ones, each with a progress bar."""
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of `/metrics` summed by name over its labels ({} when the server has none)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.partition("{")[0]
+        try:
+            totals[name] = totals.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return totals
+
+
+def point_metrics(before: dict[str, float], after: dict[str, float], pid: int | None, requests: int = 0) -> dict:
+    """The cache hit rate, tokens encoded, forwards and the server's CPU time per request during a point
+    (`_cpu_s` in the snapshots); memory held at its end."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in POINT_METRICS}
+    cpu = after.get("_cpu_s", 0.0) - before.get("_cpu_s", 0.0) if "_cpu_s" in before else None
+    lookups = delta["encoder_cache_hits_total"] + delta["encoder_cache_misses_total"]
+    rss = resident_bytes(pid) if pid else None
+    return {
+        "hit_rate": delta["encoder_cache_hits_total"] / lookups if lookups else None,
+        "tokens_encoded": int(delta["encoder_batch_tokens_sum"]),
+        "forwards": int(delta["encoder_forward_seconds_count"]),
+        "rss_mib": rss / 2**20 if rss else None,
+        "cache_mib": after.get("encoder_cache_bytes", 0.0) / 2**20 if "encoder_cache_bytes" in after else None,
+        "server_cpu_ms_per_request": 1e3 * cpu / requests if cpu is not None and requests else None,
+    }
+
+
+def sweep(url: str, config: str, args, workload, pid: int | None = None) -> list[dict]:
+    """The closed-loop points, then the open-loop ones, each with a progress bar and its server metrics."""
     points = [(closed_loop, f"c={c}", c, max(args.requests, c * 4)) for c in args.concurrency]
     points += [(open_loop, f"rate={r:g}", r, max(int(r * args.open_seconds), 20)) for r in args.rates]
     results = []
     for generator, label, load, total in points:
-        bar = progress_bar(total, f"{config} {label}")
-        result = asyncio.run(generator(url, config, load, total, args.modality, payloads, bar)).as_dict()
+        bar = progress_bar(total, f"{config} {workload.name} {label}")
+        before: dict[str, float] = {}
+
+        def snapshot(before: dict[str, float] = before) -> None:  # after the warm-up, before the clock starts
+            before.update(scrape(url))
+            if pid and cpu_seconds(pid) is not None:
+                before["_cpu_s"] = cpu_seconds(pid)
+
+        point = asyncio.run(generator(url, config, load, total, args.modality, workload, bar,
+                                      on_start=snapshot)).as_dict()
         if bar is not None:
             bar.close()
-        report(result)
-        results.append(result)
+        point["workload"] = workload.name
+        after = scrape(url)
+        if pid and cpu_seconds(pid) is not None:
+            after["_cpu_s"] = cpu_seconds(pid)
+        point.update(point_metrics(before, after, pid, point["requests"]))
+        report(point)
+        results.append(point)
     return results
 
 
 def report(point: dict) -> None:
     load = f"c={point['load']:g}" if point["mode"] == "closed" else f"{point['load']:g}/s"
-    print(f"{point['config']:10s} {point['mode']:6s} {load:>8s}  {point['throughput_rps']:8.1f} req/s  "
-          f"p50 {point['p50_ms']:7.1f}  p99 {point['p99_ms']:7.1f} ms  batch {point['mean_batch_size']:5.1f}  "
-          f"errors {point['errors']}", flush=True)
+    extras = ""
+    if point.get("hit_rate") is not None:
+        extras += f"  hit {100 * point['hit_rate']:5.1f}%"
+    if point.get("rss_mib") is not None:
+        extras += f"  rss {point['rss_mib']:6.0f} MiB"
+    if point.get("cache_mib") is not None:
+        extras += f"  cache {point['cache_mib']:6.1f} MiB"
+    if point.get("server_cpu_ms_per_request") is not None:
+        extras += f"  cpu {point['server_cpu_ms_per_request']:5.2f} ms/req"
+    print(f"{point.get('workload', ''):7s}{point['config']:10s} {point['mode']:6s} {load:>8s}  "
+          f"{point['throughput_rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f}  p99 {point['p99_ms']:7.1f} ms  "
+          f"batch {point['mean_batch_size']:5.1f}  errors {point['errors']}{extras}", flush=True)
+
+
+def cache_comparison(points: list[dict]) -> list[dict]:
+    """Per workload and load: cache-on against cache-off, medians over the rounds (`--repeat`)."""
+    groups: dict[tuple, list[dict]] = {}
+    for point in points:
+        if point["config"] in ("cache-on", "cache-off"):
+            groups.setdefault((point["workload"], point["mode"], point["load"], point["config"]), []).append(point)
+
+    def median(group: list[dict], field: str) -> float | None:
+        values = [p[field] for p in group if p.get(field) is not None]
+        return float(statistics.median(values)) if values else None
+
+    rows = []
+    for (workload, mode, load, config), on in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        off = groups.get((workload, mode, load, "cache-off"))
+        if config != "cache-on" or off is None:
+            continue
+        row = {"workload": workload, "mode": mode, "load": load, "rounds": min(len(on), len(off))}
+        for field in ("throughput_rps", "p50_ms", "p99_ms", "rss_mib", "tokens_encoded", "server_cpu_ms_per_request"):
+            row[f"{field}_on"], row[f"{field}_off"] = median(on, field), median(off, field)
+        row["hit_rate"], row["cache_mib"] = median(on, "hit_rate"), median(on, "cache_mib")
+        row["throughput_ratio"] = (row["throughput_rps_on"] / row["throughput_rps_off"]
+                                   if row["throughput_rps_off"] else None)
+        rows.append(row)
+    for row in rows:
+        load = f"c={row['load']:g}" if row["mode"] == "closed" else f"{row['load']:g}/s"
+        hit = f"{100 * row['hit_rate']:.1f}%" if row["hit_rate"] is not None else "n/a"
+        cpu = ""
+        if row["server_cpu_ms_per_request_on"] is not None and row["server_cpu_ms_per_request_off"] is not None:
+            cpu = (f", server CPU {row['server_cpu_ms_per_request_on']:.2f} vs "
+                   f"{row['server_cpu_ms_per_request_off']:.2f} ms/req")
+        print(f"cache {row['workload']:7s} {row['mode']:6s} {load:>8s}: on {row['throughput_rps_on']:7.1f} vs off "
+              f"{row['throughput_rps_off']:7.1f} req/s (x{row['throughput_ratio'] or 0:.3f}), p99 "
+              f"{row['p99_ms_on']:.1f} vs {row['p99_ms_off']:.1f} ms, hit {hit}{cpu} "
+              f"(median of {row['rounds']} rounds)", flush=True)
+    return rows
 
 
 def server_flags(config: str, args) -> list[str]:
     flags = ["--model", args.model, "--max-batch-size", str(args.max_batch_size), "--max-wait-ms",
              str(args.max_wait_ms)]
-    return flags + ["--enable-dynamic-batching", "true" if config == "on" else "false"]
+    flags += ["--enable-dynamic-batching", "false" if config == "off" else "true"]
+    return flags + ["--cache-bytes", args.cache_bytes if config == "cache-on" else "0"]
 
 
 def plot(results: dict, out: Path) -> list[str]:
@@ -88,7 +201,9 @@ def plot(results: dict, out: Path) -> list[str]:
     except ImportError:
         return []
     written = []
-    points = results["points"]
+    several = len({p.get("workload") for p in results["points"]}) > 1
+    points = [{**p, "config": f"{p['workload']}:{p['config']}" if several else p["config"]} for p in results["points"]
+              if p.get("repeat", 0) == 0]  # the first round; the comparisons hold the medians
     configs = sorted({p["config"] for p in points})
     figure, axis = plt.subplots(figsize=(6, 4))
     for config in configs:
@@ -150,6 +265,13 @@ def parse_args(argv=None):
     parser.add_argument("--requests", type=int, default=400, help="requests per closed-loop point")
     parser.add_argument("--open-seconds", type=float, default=6.0, help="length of each open-loop point")
     parser.add_argument("--modality", choices=("image", "audio"), default="image")
+    parser.add_argument("--workload", type=lambda t: t.split(","), default=["single"],
+                        help=f"comma-separated: {', '.join(WORKLOADS)}")
+    parser.add_argument("--chat-conversations", type=int, default=256, help="conversations in the chat workload")
+    parser.add_argument("--zipf", type=float, default=1.1, help="popularity exponent of the chat conversations")
+    parser.add_argument("--cache-bytes", default="auto", help="the cache-on server's --cache-bytes")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over the server configurations (comparisons report the median of the rounds)")
     parser.add_argument("--image-size", type=int, default=56)
     parser.add_argument("--audio-seconds", type=float, default=1.0)
     parser.add_argument("--model", default="tiny-qwen2.5-vl")
@@ -169,15 +291,28 @@ def main(argv=None) -> None:
     payloads = make_payloads(args.modality, 32, args.image_size, args.audio_seconds)
     results: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                      "points": [], "batch_histograms": {}, "skipped": {}}
+
+    def workload(name: str):
+        return make_workload(name, args.modality, args.image_size, args.audio_seconds, args.chat_conversations,
+                             args.zipf)
+
+    def label(config: str, name: str) -> str:
+        return config if len(args.workload) == 1 else f"{name}:{config}"
+
     if args.url:
-        results["points"] += sweep(args.url, "given", args, payloads)
+        for name in args.workload:
+            results["points"] += sweep(args.url, "given", args, workload(name))
         results["batch_histograms"]["given"] = batch_histogram(args.url)
-    for config in [] if args.url else args.compare:
-        if config in ("on", "off"):
-            with ServerProcess(*server_flags(config, args)) as server:
-                results["points"] += sweep(server.url, config, args, payloads)
-                results["batch_histograms"][config] = batch_histogram(server.url)
-        elif config == "ray":
+    servers = [] if args.url else [config for config in args.compare if config in SERVER_CONFIGS]
+    for repeat in range(args.repeat):  # rounds alternate the configurations, so drifts in load hit all
+        for name in args.workload:  # the configurations of one workload run back to back
+            for config in servers:
+                with ServerProcess(*server_flags(config, args)) as server:
+                    points = sweep(server.url, config, args, workload(name), server.proc.pid)
+                    results["points"] += [{**point, "repeat": repeat} for point in points]
+                    results["batch_histograms"][label(config, name)] = batch_histogram(server.url)
+    for config in [] if args.url else [config for config in args.compare if config not in SERVER_CONFIGS]:
+        if config == "ray":
             try:
                 import ray  # noqa: F401
                 from ray import serve  # noqa: F401
@@ -188,10 +323,11 @@ def main(argv=None) -> None:
             if args.modality != "image":
                 results["skipped"]["ray"] = "the Ray Serve peer serves images only"
                 continue
-            with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size),
-                               "--max-wait-ms", str(args.max_wait_ms), module="encode_server.bench.ray_peer",
-                               startup_timeout=300) as server:
-                results["points"] += sweep(server.url, "ray", args, payloads)
+            for name in args.workload:
+                with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size),
+                                   "--max-wait-ms", str(args.max_wait_ms), module="encode_server.bench.ray_peer",
+                                   startup_timeout=300) as server:
+                    results["points"] += sweep(server.url, "ray", args, workload(name))
         elif config == "ceiling":
             from .ceiling import ceiling
 
@@ -199,6 +335,9 @@ def main(argv=None) -> None:
             print(f"ceiling    batch {args.max_batch_size}: processor+forward "
                   f"{results['ceiling']['processor_and_forward_rps']:.1f} req/s, forward only "
                   f"{results['ceiling']['forward_only_rps']:.1f} req/s", flush=True)
+        else:
+            raise SystemExit(f"encode-bench: unknown configuration {config!r}")
+    results["cache_comparison"] = cache_comparison(results["points"])
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     written = plot(results, args.out)
     print(f"wrote {args.out / 'results.json'}" + (f" and {', '.join(written)}" if written else ""))

@@ -1,7 +1,8 @@
 """Load generators for `/encode`: closed loop (fixed concurrency) and open loop (Poisson arrivals).
 
 Both send to one base URL (loopback in every use here), a bounded number of requests, and return
-throughput and latency percentiles. Payloads are images or audio clips of a chosen size, made once.
+throughput and latency percentiles. What each request carries comes from a workload
+(`workloads.py`): its item lists are made before the clock starts.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ class LoadResult:
     p90_ms: float
     p99_ms: float
     mean_batch_size: float
+    items: int = 0  # media items in the answered requests
+    cached_items: int = 0  # of those, the ones the response marked "cached": true
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _summary(config: str, mode: str, load: float, latencies: list[float], batch_sizes: list[int], errors: int,
-             wall_s: float) -> LoadResult:
+def _summary(config: str, mode: str, load: float, client: _Client, wall_s: float) -> LoadResult:
+    latencies, batch_sizes, errors = client.latencies, client.batch_sizes, client.errors
     ordered = sorted(latencies) or [0.0]
 
     def pick(q: float) -> float:
@@ -63,24 +66,28 @@ def _summary(config: str, mode: str, load: float, latencies: list[float], batch_
     return LoadResult(config=config, mode=mode, load=load, requests=len(latencies), errors=errors,
                       throughput_rps=(len(latencies) - errors) / wall_s if wall_s > 0 else 0.0,
                       p50_ms=pick(0.5), p90_ms=pick(0.9), p99_ms=pick(0.99),
-                      mean_batch_size=float(np.mean(batch_sizes)) if batch_sizes else 0.0)
+                      mean_batch_size=float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+                      items=client.items, cached_items=client.cached_items)
 
 
 class _Client:
-    """Sends one request and records its latency and the batch it rode in."""
+    """Sends one request and records its latency, the batch it rode in and its items' cache flags."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, modality: str, payloads: list[str],
+    def __init__(self, session: aiohttp.ClientSession, url: str, modality: str, requests: list[list[str]],
                  progress=None, priority: int | None = None) -> None:
-        self.session, self.url, self.modality, self.payloads = session, url, modality, payloads
+        self.session, self.url, self.modality, self.requests = session, url, modality, requests
         self.priority = priority  # sent as the body's "priority" when set
         self.latencies: list[float] = []
         self.batch_sizes: list[int] = []
         self.errors = 0
+        self.items = 0
+        self.cached_items = 0
         self.progress = progress
 
     async def one(self, index: int, tag: str) -> None:
-        item = self.payloads[index % len(self.payloads)]
-        body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": [item]}
+        entry = self.requests[index % len(self.requests)]
+        items = [entry] if isinstance(entry, str) else entry  # a plain payload list: one item per request
+        body = {"req_id": f"{tag}-{index}", "modality": self.modality, "mm_items": items}
         if self.priority is not None:
             body["priority"] = self.priority
         started = time.perf_counter()
@@ -93,6 +100,9 @@ class _Client:
         self.latencies.append(time.perf_counter() - started)
         if ok:
             self.batch_sizes.append(int(payload.get("batch_size", 1)))
+            items = payload.get("items") or []
+            self.items += len(items)
+            self.cached_items += sum(1 for item in items if item.get("cached"))
         else:
             self.errors += 1
         if self.progress is not None:
@@ -104,22 +114,41 @@ def _session(limit: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=300))
 
 
+class _Cycle:
+    """A plain list of payloads as a workload: one item per request, cycling through them."""
+
+    def __init__(self, payloads: list[str]) -> None:
+        self.payloads, self._next = payloads, iter(range(10**12))
+
+    def requests(self, total: int) -> list[list[str]]:
+        return [[self.payloads[next(self._next) % len(self.payloads)]] for _ in range(total)]
+
+
 async def _warm(client: _Client, tag: str) -> None:
+    """Eight requests through `client`, then its records cleared."""
     await asyncio.gather(*(client.one(i, f"warm-{tag}") for i in range(8)))
     client.latencies.clear()
     client.batch_sizes.clear()
-    client.errors = 0
+    client.errors = client.items = client.cached_items = 0
 
 
-async def closed_loop(url: str, config: str, concurrency: int, total: int, modality: str, payloads: list[str],
-                      progress=None) -> LoadResult:
-    """`concurrency` clients, each sending its next request as soon as the last is answered."""
+async def _warm_up(session: aiohttp.ClientSession, url: str, modality: str, workload, tag: str) -> None:
+    await _warm(_Client(session, url, modality, workload.requests(8)), tag)
+
+
+async def closed_loop(url: str, config: str, concurrency: int, total: int, modality: str, workload,
+                      progress=None, on_start=None) -> LoadResult:
+    """`concurrency` clients, each sending its next request as soon as the last is answered. `workload`
+    is a `workloads` object or a plain list of payloads (one per request, cycling).
+    `on_start()` runs after the warm-up, just before the clock starts."""
     async with _session(concurrency + 8) as session:
-        client = _Client(session, url, modality, payloads)
-        await _warm(client, f"{config}-{concurrency}")
-        client.progress = progress
+        workload = _Cycle(workload) if isinstance(workload, list) else workload
+        await _warm_up(session, url, modality, workload, f"{config}-{concurrency}")
+        client = _Client(session, url, modality, workload.requests(total), progress)
         counter = iter(range(total))
         tag = f"{config}-c{concurrency}"
+        if on_start is not None:
+            on_start()
 
         async def worker() -> None:
             for index in counter:
@@ -128,18 +157,20 @@ async def closed_loop(url: str, config: str, concurrency: int, total: int, modal
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return _summary(config, "closed", concurrency, client.latencies, client.batch_sizes, client.errors, wall)
+    return _summary(config, "closed", concurrency, client, wall)
 
 
-async def open_loop(url: str, config: str, rate: float, total: int, modality: str, payloads: list[str],
-                    progress=None, seed: int = 0) -> LoadResult:
+async def open_loop(url: str, config: str, rate: float, total: int, modality: str, workload,
+                    progress=None, on_start=None, seed: int = 0) -> LoadResult:
     """Poisson arrivals at `rate` requests/s, whatever the server's answers (the load does not wait)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=total)
     async with _session(1024) as session:
-        client = _Client(session, url, modality, payloads)
-        await _warm(client, f"{config}-{rate}")
-        client.progress = progress
+        workload = _Cycle(workload) if isinstance(workload, list) else workload
+        await _warm_up(session, url, modality, workload, f"{config}-{rate}")
+        client = _Client(session, url, modality, workload.requests(total), progress)
         tag = f"{config}-r{rate:g}"
+        if on_start is not None:
+            on_start()
         tasks = []
         started = time.perf_counter()
         next_at = started
@@ -151,4 +182,4 @@ async def open_loop(url: str, config: str, rate: float, total: int, modality: st
             tasks.append(asyncio.ensure_future(client.one(index, tag)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
-    return _summary(config, "open", rate, client.latencies, client.batch_sizes, client.errors, wall)
+    return _summary(config, "open", rate, client, wall)

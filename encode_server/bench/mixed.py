@@ -110,7 +110,8 @@ async def _round(url: str, arm: str, rate: float, seconds: float, concurrency: i
 
 async def run_mixed(args) -> dict:
     payloads = make_payloads("image", 64, args.image_size)
-    with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size)) as server:
+    with ServerProcess("--model", args.model, "--cache-bytes", "0",
+                       "--max-batch-size", str(args.max_batch_size)) as server:
         async with _session(72) as session:
             await _warm(_Client(session, server.url, "image", payloads), "warm")
         capacity = await closed_loop(server.url, "capacity", 64, 600, "image", payloads)
@@ -138,7 +139,7 @@ async def run_wait(args) -> dict:
     payloads = make_payloads("image", 64, args.image_size)
     results = []
     for wait in args.waits:
-        with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size),
+        with ServerProcess("--model", args.model, "--cache-bytes", "0", "--max-batch-size", str(args.max_batch_size),
                            "--max-wait-ms", wait) as server:
             async with _session(72) as session:
                 warm = _Client(session, server.url, "image", payloads)
