@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
     app = create_app(settings, adapter, group)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
+                            access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=settings.keep_alive_timeout_s)
     DrainingServer(config, app, settings.drain_timeout_s).run()
 
 

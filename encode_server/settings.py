@@ -104,6 +104,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--keep-alive-timeout-s", float, 75.0,
+           "how long an idle HTTP connection stays open; keep it above every client's pool idle timeout, "
+           "or a pooled request can meet the server's close and fail"),
 )
 
 
@@ -141,6 +144,7 @@ class Settings:
     cpu_threads: int = 0
     media_workers: int = 4
     log_level: str = "info"
+    keep_alive_timeout_s: float = 75.0
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -152,7 +156,8 @@ class Settings:
                      "health_probe_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
+        for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s",
+                     "keep_alive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.tp_size > 1 and self.dp_size > 1:
