@@ -1,7 +1,8 @@
 """Prometheus metrics and the 60-second `/v1/performance` window.
 
 `ServerMetrics` owns one registry per server (so several servers can live in one test process);
-the scheduler, engine and HTTP layer record into it exactly where decisions are made.
+the scheduler, engine and HTTP layer record into it exactly where decisions are made. Labelled
+series for the model's modalities exist from start-up (at 0), so a dashboard shows 0, not "no data".
 """
 
 from __future__ import annotations
@@ -9,9 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 # `*_created` series only add noise to dashboards.
 disable_created_metrics()
@@ -21,9 +31,13 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    60.0, 180.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+#: The `status` values `encoder_requests_total` takes, created at 0 for every modality at start-up.
+KNOWN_STATUSES = ("200", "400", "409", "500", "502", "503", "504", "cancelled")
+#: The `stage` values of `encoder_preprocess_seconds`.
+PREPROCESS_STAGES = ("decode", "processor")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Finished:
     at: float
     latency_s: float
@@ -31,11 +45,17 @@ class _Finished:
 
 
 class PerformanceWindow:
-    """Finished requests of the last `window_s` seconds, summarised for `/v1/performance`."""
+    """Finished requests of the last `window_s` seconds, summarised for `/v1/performance`.
 
-    def __init__(self, window_s: float = 60.0, clock=time.monotonic) -> None:
+    `throughput_rps` is the requests finished in the window divided by the time the window covers:
+    `window_s`, or less while the window is younger than that (since it was created, at start-up).
+    One request a second after start-up reads as 1 rps, not as 1 over its own latency.
+    """
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
+        self._started = clock()
         self._finished: deque[_Finished] = deque()
 
     def record(self, latency_s: float, batch_size: int) -> None:
@@ -59,11 +79,12 @@ class PerformanceWindow:
             return latencies[min(len(latencies) - 1, int(q * len(latencies)))]
 
         avg_batch = sum(item.batch_size for item in finished) / count if count else 0.0
-        span = min(self.window_s, max(self._clock() - finished[0].at, 1e-9)) if count else self.window_s
+        covered_s = min(self.window_s, self._clock() - self._started)
         return {
             "window_s": self.window_s,
+            "covered_s": covered_s,
             "requests": count,
-            "throughput_rps": count / span if count else 0.0,
+            "throughput_rps": count / covered_s if count and covered_s > 0 else 0.0,
             "latency_ms": {
                 "avg": sum(latencies) / count if count else 0.0,
                 "p50": percentile(0.50),
@@ -99,11 +120,15 @@ class LoopLagMonitor:
 
 
 class ServerMetrics:
-    """Every metric the server exports, in its own registry."""
+    """Every metric the server exports, in its own registry.
 
-    def __init__(self) -> None:
+    `modalities` are the model's: their labelled series are created at 0 right away.
+    """
+
+    def __init__(self, modalities: Sequence[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
         self.requests_total = Counter(
             "encoder_requests_total", "Finished /encode requests by modality and outcome",
             ["modality", "status"], registry=r)
@@ -136,7 +161,27 @@ class ServerMetrics:
         self.bytes_sent = Counter(
             "encoder_embedding_bytes_sent_total", "Embedding bytes sent to callers and prefill ranks",
             registry=r)
+        self.parked_bytes = Gauge(
+            "encoder_parked_bytes", "Embedding bytes kept for receivers that have not registered yet", registry=r)
+        self.parked_embeddings = Gauge(
+            "encoder_parked_embeddings", "Embeddings kept for receivers that have not registered yet", registry=r)
         self.performance = PerformanceWindow()
+        for modality in modalities:
+            self._create_series(modality)
+
+    def _create_series(self, modality: str) -> None:
+        for status in KNOWN_STATUSES:
+            self.requests_total.labels(modality, status)
+        for stage in PREPROCESS_STAGES:
+            self.preprocess.labels(modality, stage)
+        for histogram in (self.batch_size, self.batch_tokens, self.queue_wait, self.forward, self.transfer,
+                          self.request_duration):
+            histogram.labels(modality)
+
+    def watch_parked(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Read the parked (bytes, embeddings) at each scrape from whoever keeps them."""
+        self.parked_bytes.set_function(lambda: read()[0])
+        self.parked_embeddings.set_function(lambda: read()[1])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
