@@ -15,6 +15,9 @@ READY_LINE = "encode-server ready:"
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
+    from .allocator import MallocTrimmer, limit_arenas
+
+    limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -48,7 +51,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_timeout_s)
-    DrainingServer(config, app, settings.drain_timeout_s).run()
+    trimmer = MallocTrimmer(settings.malloc_trim_interval_s, busy=lambda: _pending(app) > 0,
+                            on_trim=lambda released, seconds: _record_trim(app, released, seconds))
+    trimmer.start()
+    try:
+        DrainingServer(config, app, settings.drain_timeout_s).run()
+    finally:
+        trimmer.stop()
+
+
+def _pending(app) -> int:
+    service = getattr(app.state, "service", None)
+    return service.pending if service is not None else 0
+
+
+def _record_trim(app, released: int, seconds: float) -> None:
+    service = getattr(app.state, "service", None)
+    if service is not None:
+        service.metrics.record_trim(released, seconds)
 
 
 def set_cpu_threads(settings, ranks: int) -> None:

@@ -165,6 +165,12 @@ class ServerMetrics:
             "encoder_parked_bytes", "Embedding bytes kept for receivers that have not registered yet", registry=r)
         self.parked_embeddings = Gauge(
             "encoder_parked_embeddings", "Embeddings kept for receivers that have not registered yet", registry=r)
+        self.trimmed_bytes = Counter(
+            "encoder_malloc_trimmed_bytes_total", "Resident bytes given back to the system by malloc_trim",
+            registry=r)
+        self.trim_seconds = Histogram(
+            "encoder_malloc_trim_seconds", "One malloc_trim in the background thread", buckets=SECONDS_BUCKETS,
+            registry=r)
         self.performance = PerformanceWindow()
         for modality in modalities:
             self._create_series(modality)
@@ -182,6 +188,11 @@ class ServerMetrics:
         """Read the parked (bytes, embeddings) at each scrape from whoever keeps them."""
         self.parked_bytes.set_function(lambda: read()[0])
         self.parked_embeddings.set_function(lambda: read()[1])
+
+    def record_trim(self, released_bytes: int, seconds: float) -> None:
+        """Called from the trimming thread (prometheus_client's metrics are thread-safe)."""
+        self.trimmed_bytes.inc(released_bytes)
+        self.trim_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

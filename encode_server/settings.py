@@ -107,6 +107,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--keep-alive-timeout-s", float, 75.0,
            "how long an idle HTTP connection stays open; keep it above every client's pool idle timeout, "
            "or a pooled request can meet the server's close and fail"),
+    Option("--malloc-arena-max", int, 2,
+           "glibc malloc arenas at most (0: glibc's default, 8 per core); fewer arenas keep less freed memory"),
+    Option("--malloc-trim-interval-s", float, 10.0,
+           "give freed heap memory back to the system (malloc_trim) this often, from a background thread (0: never)"),
 )
 
 
@@ -145,6 +149,8 @@ class Settings:
     media_workers: int = 4
     log_level: str = "info"
     keep_alive_timeout_s: float = 75.0
+    malloc_arena_max: int = 2
+    malloc_trim_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -153,7 +159,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
-                     "health_probe_interval_s"):
+                     "health_probe_interval_s", "malloc_arena_max", "malloc_trim_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s",
