@@ -15,7 +15,7 @@ READY_LINE = "encode-server ready:"
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
-    from .allocator import MallocTrimmer, limit_arenas
+    from .memory import Housekeeper, limit_arenas
 
     limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
     logging.basicConfig(
@@ -51,13 +51,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_timeout_s)
-    trimmer = MallocTrimmer(settings.malloc_trim_interval_s, busy=lambda: _pending(app) > 0,
-                            on_trim=lambda released, seconds: _record_trim(app, released, seconds))
-    trimmer.start()
+    housekeeper = Housekeeper(settings.housekeeping_interval_s, busy=lambda: _pending(app) > 0,
+                              on_run=lambda *figures: _record_housekeeping(app, *figures))
+    housekeeper.start()
     try:
         DrainingServer(config, app, settings.drain_timeout_s).run()
     finally:
-        trimmer.stop()
+        housekeeper.stop()
 
 
 def _pending(app) -> int:
@@ -65,10 +65,10 @@ def _pending(app) -> int:
     return service.pending if service is not None else 0
 
 
-def _record_trim(app, released: int, seconds: float) -> None:
+def _record_housekeeping(app, released: int, collect_s: float, trim_s: float) -> None:
     service = getattr(app.state, "service", None)
     if service is not None:
-        service.metrics.record_trim(released, seconds)
+        service.metrics.record_housekeeping(released, collect_s, trim_s)
 
 
 def set_cpu_threads(settings, ranks: int) -> None:

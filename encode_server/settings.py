@@ -109,8 +109,10 @@ OPTIONS: tuple[Option, ...] = (
            "or a pooled request can meet the server's close and fail"),
     Option("--malloc-arena-max", int, 2,
            "glibc malloc arenas at most (0: glibc's default, 8 per core); fewer arenas keep less freed memory"),
-    Option("--malloc-trim-interval-s", float, 10.0,
-           "give freed heap memory back to the system (malloc_trim) this often, from a background thread (0: never)"),
+    Option("--housekeeping-interval-s", float, 5.0,
+           "how often to check whether the server went idle; then Python's full garbage collection runs and freed "
+           "heap memory goes back to the system (malloc_trim); under unbroken load every 300 s "
+           "(0: never, and Python collects on its own schedule)"),
 )
 
 
@@ -150,7 +152,7 @@ class Settings:
     log_level: str = "info"
     keep_alive_timeout_s: float = 75.0
     malloc_arena_max: int = 2
-    malloc_trim_interval_s: float = 10.0
+    housekeeping_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -159,7 +161,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("max_wait_ms", "hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
-                     "health_probe_interval_s", "malloc_arena_max", "malloc_trim_interval_s"):
+                     "health_probe_interval_s", "malloc_arena_max", "housekeeping_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s",
