@@ -15,7 +15,7 @@ READY_LINE = "encode-server ready:"
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
-    from .memory import Housekeeper, limit_arenas
+    from .housekeeping import Housekeeper, limit_arenas
 
     limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
     logging.basicConfig(

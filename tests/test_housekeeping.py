@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from encode_server import memory
+from encode_server import housekeeping as memory
 
 glibc_only = pytest.mark.skipif(memory._glibc() is None, reason="malloc_trim and mallopt are glibc's")
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-log = logging.getLogger("encode_server.memory")
+log = logging.getLogger("encode_server.housekeeping")
 
 _M_ARENA_MAX = -8  # from glibc's malloc.h
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
