@@ -15,6 +15,9 @@ READY_LINE = "encode-server ready:"
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
+    from .housekeeping import Housekeeper, limit_arenas
+
+    limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -55,8 +58,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"encode-server: {exc}")
     app = create_app(settings, adapter, group)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.log_level == "debug", timeout_graceful_shutdown=5)
-    DrainingServer(config, app, settings.drain_timeout_s).run()
+                            access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=settings.keep_alive_timeout_s)
+    housekeeper = Housekeeper(settings.housekeeping_interval_s, busy=lambda: _pending(app) > 0,
+                              on_run=lambda *figures: _record_housekeeping(app, *figures))
+    housekeeper.start()
+    try:
+        DrainingServer(config, app, settings.drain_timeout_s).run()
+    finally:
+        housekeeper.stop()
+
+
+def _pending(app) -> int:
+    service = getattr(app.state, "service", None)
+    return service.pending if service is not None else 0
+
+
+def _record_housekeeping(app, released: int, collect_s: float, trim_s: float) -> None:
+    service = getattr(app.state, "service", None)
+    if service is not None:
+        service.metrics.record_housekeeping(released, collect_s, trim_s)
 
 
 def set_cpu_threads(settings, ranks: int) -> None:

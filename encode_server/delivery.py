@@ -84,9 +84,11 @@ class _Registration:
 class Registrations:
     """`/scheduler_receive_url` state: who wants which `req_id`, and embeddings waiting for them."""
 
-    def __init__(self, sender: EmbeddingSender, ttl_s: float, max_parked_bytes: int = 512 << 20) -> None:
+    def __init__(self, sender: EmbeddingSender, ttl_s: float, park_ttl_s: float | None = None,
+                 max_parked_bytes: int = 256 << 20) -> None:
         self.sender = sender
-        self.ttl_s = ttl_s
+        self.ttl_s = ttl_s  # how long a registration is remembered
+        self.park_ttl_s = ttl_s if park_ttl_s is None else park_ttl_s  # how long an unclaimed embedding is kept
         self.max_parked_bytes = max_parked_bytes
         self.parked_bytes = 0
         self._by_req: dict[str, _Registration] = {}
@@ -163,16 +165,26 @@ class Registrations:
         return list(entry.urls)
 
     def park(self, req_id: str, part_idx: int, frames: Frames) -> None:
-        """Keep a message nobody registered for yet, until registrations complete or the TTL passes.
+        """Keep a message nobody registered for yet, until registrations complete or `park_ttl_s` passes.
 
-        The frames hold views of the embedding, which keeps its memory alive while parked."""
+        The frames are copied: a view would keep the whole batch's rows alive while parked."""
         nbytes = sum(len(frame) for frame in frames)
         if self.parked_bytes + nbytes > self.max_parked_bytes:
             log.warning("not keeping %s for late registration: %d bytes already parked", req_id, self.parked_bytes)
             return
         entry = self._entry(req_id, count=None)
-        entry.parked[part_idx] = (frames, nbytes)
+        entry.parked[part_idx] = ([bytes(frame) for frame in frames], nbytes)
         self.parked_bytes += nbytes
+        asyncio.get_running_loop().call_later(self.park_ttl_s, self._drop_parked, entry, part_idx)
+
+    def _drop_parked(self, entry: _Registration, part_idx: int) -> None:
+        parked = entry.parked.pop(part_idx, None)
+        if parked is not None:
+            self.parked_bytes -= parked[1]
+
+    def parked(self) -> tuple[int, int]:
+        """(bytes, embeddings) parked now, for the metrics."""
+        return self.parked_bytes, sum(len(entry.parked) for entry in self._by_req.values())
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -194,7 +206,10 @@ class Delivery:
         self._background: set[asyncio.Task] = set()
 
     def start(self) -> None:
-        self.registrations = Registrations(self.sender, ttl_s=self._registration_ttl_s)
+        # An unclaimed embedding is kept only as long as a receiver may take to register (--send-timeout-s).
+        self.registrations = Registrations(self.sender, ttl_s=self._registration_ttl_s,
+                                           park_ttl_s=self.send_timeout_s)
+        self.metrics.watch_parked(self.registrations.parked)
 
     async def close(self) -> None:
         if self.registrations is not None:

@@ -1,7 +1,8 @@
 """Prometheus metrics and the 60-second `/v1/performance` window.
 
 `ServerMetrics` owns one registry per server (so several servers can live in one test process);
-the scheduler, engine and HTTP layer record into it exactly where decisions are made.
+the scheduler, engine and HTTP layer record into it exactly where decisions are made. Labelled
+series for the model's modalities exist from start-up (at 0), so a dashboard shows 0, not "no data".
 """
 
 from __future__ import annotations
@@ -9,9 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -21,11 +31,17 @@ disable_created_metrics()
 # Encoders answer in milliseconds; the default Prometheus buckets start at 5 ms.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 180.0)
+#: Event-loop lag: the goal is under 5 ms at p99.
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+#: The `status` values `encoder_requests_total` takes, created at 0 for every modality at start-up.
+KNOWN_STATUSES = ("200", "400", "409", "500", "502", "503", "504", "cancelled")
+#: The `stage` values of `encoder_preprocess_seconds`.
+PREPROCESS_STAGES = ("decode", "processor")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Finished:
     at: float
     latency_s: float
@@ -35,11 +51,17 @@ class _Finished:
 
 
 class PerformanceWindow:
-    """Finished requests of the last `window_s` seconds, summarised for `/v1/performance`."""
+    """Finished requests of the last `window_s` seconds, summarised for `/v1/performance`.
 
-    def __init__(self, window_s: float = 60.0, clock=time.monotonic) -> None:
+    `throughput_rps` is the requests finished in the window divided by the time the window covers:
+    `window_s`, or less while the window is younger than that (since it was created, at start-up).
+    One request a second after start-up reads as 1 rps, not as 1 over its own latency.
+    """
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
+        self._started = clock()
         self._finished: deque[_Finished] = deque()
 
     def record(self, latency_s: float, batch_size: int, items: int = 0, cached_items: int = 0) -> None:
@@ -65,11 +87,12 @@ class PerformanceWindow:
         forwarded = [item.batch_size for item in finished if item.batch_size > 0]
         avg_batch = sum(forwarded) / len(forwarded) if forwarded else 0.0
         items = sum(item.items for item in finished)
-        span = min(self.window_s, max(self._clock() - finished[0].at, 1e-9)) if count else self.window_s
+        covered_s = min(self.window_s, self._clock() - self._started)
         return {
             "window_s": self.window_s,
+            "covered_s": covered_s,
             "requests": count,
-            "throughput_rps": count / span if count else 0.0,
+            "throughput_rps": count / covered_s if count and covered_s > 0 else 0.0,
             "latency_ms": {
                 "avg": sum(latencies) / count if count else 0.0,
                 "p50": percentile(0.50),
@@ -83,10 +106,13 @@ class PerformanceWindow:
 
 
 class LoopLagMonitor:
-    """How late the event loop runs a timer: a once-a-second check, the usual sign of a blocked loop."""
+    """How late the event loop runs a timer, the usual sign of a blocked loop: a timer every
+    `interval_s` (0.1 s: ten callbacks a second cost nothing), each one's lateness set on `gauge` and,
+    when given, observed by `histogram`, so percentiles over a burst can be read from /metrics."""
 
-    def __init__(self, gauge: Gauge, interval_s: float = 1.0) -> None:
+    def __init__(self, gauge: Gauge, interval_s: float = 0.1, histogram: Histogram | None = None) -> None:
         self._gauge = gauge
+        self._histogram = histogram
         self.interval_s = interval_s
         self._handle: asyncio.TimerHandle | None = None
 
@@ -96,7 +122,10 @@ class LoopLagMonitor:
         self._handle = loop.call_at(expected, self._tick, loop, expected)
 
     def _tick(self, loop: asyncio.AbstractEventLoop, expected: float) -> None:
-        self._gauge.set(max(0.0, loop.time() - expected))
+        lag = max(0.0, loop.time() - expected)
+        self._gauge.set(lag)
+        if self._histogram is not None:
+            self._histogram.observe(lag)
         expected = loop.time() + self.interval_s
         self._handle = loop.call_at(expected, self._tick, loop, expected)
 
@@ -106,11 +135,15 @@ class LoopLagMonitor:
 
 
 class ServerMetrics:
-    """Every metric the server exports, in its own registry."""
+    """Every metric the server exports, in its own registry.
 
-    def __init__(self) -> None:
+    `modalities` are the model's: their labelled series are created at 0 right away.
+    """
+
+    def __init__(self, modalities: Sequence[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
         self.requests_total = Counter(
             "encoder_requests_total", "Finished /encode requests by modality and outcome",
             ["modality", "status"], registry=r)
@@ -139,7 +172,10 @@ class ServerMetrics:
         self.pending = Gauge("encoder_pending_requests", "Admitted but unfinished requests", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting in the scheduler queue", registry=r)
         self.loop_lag = Gauge("encoder_event_loop_lag_seconds",
-                              "How late the event loop ran its last once-a-second timer", registry=r)
+                              "How late the event loop ran its last 100 ms timer", registry=r)
+        self.loop_lag_ticks = Histogram(
+            "encoder_event_loop_tick_lag_seconds", "How late each 100 ms event-loop timer ran",
+            buckets=LAG_BUCKETS, registry=r)
         self.healthy = Gauge("encoder_healthy", "1 when the last health probe passed and the server is not draining",
                              registry=r)
         self.bytes_sent = Counter(
@@ -148,7 +184,45 @@ class ServerMetrics:
         self.evictions = Counter(
             "encoder_evictions_total", "Queued requests failed 503 to admit a higher-priority one at --max-pending",
             ["modality", "priority"], registry=r)
+        self.parked_bytes = Gauge(
+            "encoder_parked_bytes", "Embedding bytes kept for receivers that have not registered yet", registry=r)
+        self.parked_embeddings = Gauge(
+            "encoder_parked_embeddings", "Embeddings kept for receivers that have not registered yet", registry=r)
+        self.trimmed_bytes = Counter(
+            "encoder_malloc_trimmed_bytes_total", "Resident bytes given back to the system by malloc_trim",
+            registry=r)
+        self.housekeeping = Histogram(
+            "encoder_housekeeping_seconds", "Idle-time chores: a full garbage collection, then malloc_trim",
+            ["step"], buckets=SECONDS_BUCKETS, registry=r)
+        for step in ("collect", "trim"):
+            self.housekeeping.labels(step)
         self.performance = PerformanceWindow()
+        for modality in modalities:
+            self._create_series(modality)
+
+    def _create_series(self, modality: str) -> None:
+        for status in KNOWN_STATUSES:
+            self.requests_total.labels(modality, status)
+        for stage in PREPROCESS_STAGES:
+            self.preprocess.labels(modality, stage)
+        for histogram in (self.batch_size, self.batch_tokens, self.queue_wait, self.forward, self.transfer,
+                          self.request_duration):
+            histogram.labels(modality)
+
+    def watch_parked(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Read the parked (bytes, embeddings) at each scrape from whoever keeps them."""
+        self.parked_bytes.set_function(lambda: read()[0])
+        self.parked_embeddings.set_function(lambda: read()[1])
+
+    def loop_lag_monitor(self) -> LoopLagMonitor:
+        """The monitor that feeds `encoder_event_loop_lag_seconds` and its per-tick histogram."""
+        return LoopLagMonitor(self.loop_lag, histogram=self.loop_lag_ticks)
+
+    def record_housekeeping(self, released_bytes: int, collect_s: float, trim_s: float) -> None:
+        """Called from the housekeeping thread (prometheus_client's metrics are thread-safe)."""
+        self.trimmed_bytes.inc(released_bytes)
+        self.housekeeping.labels("collect").observe(collect_s)
+        self.housekeeping.labels("trim").observe(trim_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

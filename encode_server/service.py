@@ -32,7 +32,7 @@ from .engine import EncoderEngine
 from .health import HealthProbe
 from .media import MediaError, MediaLimits, MediaLoader, MediaSource, RawItem, parse_item
 from .memory import default_cache_bytes
-from .metrics import LoopLagMonitor, ServerMetrics
+from .metrics import ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
 from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
@@ -113,7 +113,7 @@ class EncoderService:
         self.adapter = adapter
         self.group = group
         self.clock = clock or MonotonicClock()
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(modalities=adapter.info.modalities)
         self.started_at = time.time()
         self.admission = Admission(settings, adapter, self.metrics, self.clock,
                                    evict=lambda priority: self.scheduler.evict_for(priority))
@@ -136,7 +136,7 @@ class EncoderService:
         self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
-        self._loop_lag = LoopLagMonitor(self.metrics.loop_lag)
+        self._loop_lag = self.metrics.loop_lag_monitor()
         self.registry = SglangRegistry(registry_urls(settings.register_with),
                                        advertised_url(settings.host, settings.port, settings.advertise_url)
                                        ) if settings.register_with else None

@@ -149,6 +149,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cache-bytes", parse_cache_bytes, "auto",
            "bound of the per-item embedding cache in bytes (e.g. 536870912 or 512MiB); auto: 5 percent of the memory, "
            "at most 1 GiB; 0 turns the cache and in-flight deduplication off"),
+    Option("--keep-alive-timeout-s", float, 75.0,
+           "how long an idle HTTP connection stays open; keep it above every client's pool idle timeout, "
+           "or a pooled request can meet the server's close and fail"),
+    Option("--malloc-arena-max", int, 2,
+           "glibc malloc arenas at most (0: glibc's default, 8 per core); fewer arenas keep less freed memory"),
+    Option("--housekeeping-interval-s", float, 5.0,
+           "how often to check whether the server went idle; then Python's full garbage collection runs and freed "
+           "heap memory goes back to the system (malloc_trim); under unbroken load every 300 s "
+           "(0: never, and Python collects on its own schedule)"),
 )
 
 
@@ -198,6 +207,9 @@ class Settings:
     preprocess_workers: int = DEFAULTS["preprocess_workers"]
     preprocess_device: str = DEFAULTS["preprocess_device"]
     cache_bytes: int | str = DEFAULTS["cache_bytes"]  # "auto" or bytes; memory.default_cache_bytes resolves "auto"
+    keep_alive_timeout_s: float = DEFAULTS["keep_alive_timeout_s"]
+    malloc_arena_max: int = DEFAULTS["malloc_arena_max"]
+    housekeeping_interval_s: float = DEFAULTS["housekeeping_interval_s"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -210,10 +222,11 @@ class Settings:
         if not self.adaptive_wait and self.max_wait_ms < 0:
             raise ValueError(f"--max-wait-ms must not be negative, got {self.max_wait_ms}")
         for name in ("hard_timeout_additional_s", "max_batch_tokens", "drain_timeout_s", "cpu_threads",
-                     "health_probe_interval_s", "max_priority"):
+                     "health_probe_interval_s", "max_priority", "malloc_arena_max", "housekeeping_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s"):
+        for name in ("max_audio_seconds", "video_fps", "send_timeout_s", "health_probe_timeout_s",
+                     "keep_alive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.preprocess_workers < -1:

@@ -1,10 +1,11 @@
 """The ZMQ socket layer of delivery: endpoint checks and one PUSH socket per destination.
 
 `EmbeddingSender` keeps one PUSH socket per endpoint. Sockets are `ZMQ_IMMEDIATE`, so a message is
-only ever queued to a peer that is connected, never piled up for a dead one, and a send that finds
-no peer waits (on the socket's event, not by polling) at most `send_timeout_s` before the
-destination is reported undeliverable. Payloads go zero-copy (`copy=False`) from the tensor's
-memory; libzmq's I/O thread moves the bytes, off the event loop.
+only ever queued to a peer that is connected, never piled up for a dead one. A send is a
+non-blocking `send_multipart` straight from the event loop (no future, no thread hand-off); only
+one that finds no peer or a full queue waits (on the socket's event, not by polling), at most
+`send_timeout_s`, before the destination is reported undeliverable. Payloads go zero-copy
+(`copy=False`) from the tensor's memory; libzmq's I/O thread moves the bytes, off the event loop.
 
 What the frames hold (the wire format) and where they go (destinations, registrations) is
 `delivery.py`'s business; this module only moves frames.
@@ -16,6 +17,7 @@ import asyncio
 import ipaddress
 import logging
 import re
+from collections import deque
 from collections.abc import Sequence
 
 import zmq
@@ -69,18 +71,88 @@ def endpoint_for(host: str, port: int) -> str:
     return check_endpoint(f"tcp://{bracketed}:{port}")
 
 
+class _PushSocket:
+    """One endpoint's PUSH socket, and the sends waiting for it to accept a message.
+
+    A send first tries `NOBLOCK` straight from the event loop: no future, no thread, no loop
+    callback. Only when the socket would block (no connected peer, or its queue at the high-water
+    mark) does the send wait for the socket to become writable, on libzmq's notification descriptor
+    (edge-triggered: `EVENTS` is read again after every change), until its deadline.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self._waiters: deque[asyncio.Future] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def send_now(self, frames: list) -> bool:
+        """Hand the message to libzmq if it takes it now and no earlier send is waiting."""
+        return not self._waiters and self._try_send(frames)
+
+    def _try_send(self, frames: list) -> bool:
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        if self._waiters:  # a send may have consumed the descriptor's edge: look at the state again
+            self._wake_if_writable()
+        return True
+
+    async def send_when_writable(self, frames: list, timeout_s: float) -> None:
+        """Send one message, waiting at most `timeout_s` for the socket to take it (TimeoutError)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self._writable(loop, deadline - loop.time())
+            if self._try_send(frames):
+                return
+
+    async def _writable(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise asyncio.TimeoutError
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        if self._loop is None:
+            self._loop = loop
+            loop.add_reader(self.sock.FD, self._wake_if_writable)
+        try:
+            self._wake_if_writable()  # the state may have changed before the reader was in place
+            await asyncio.wait_for(waiter, timeout_s)
+        finally:
+            self._waiters.remove(waiter)
+            if not self._waiters and self._loop is not None:
+                self._loop.remove_reader(self.sock.FD)
+                self._loop = None
+
+    def _wake_if_writable(self) -> None:
+        if self.sock.closed or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            return
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.sock.FD)
+        self._loop = None
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.cancel()
+        self.sock.close(0)
+
+
 class EmbeddingSender:
     """One cached PUSH socket per endpoint, used only from the event loop."""
 
     def __init__(self, send_timeout_s: float, high_water_mark: int = 64) -> None:
         self.send_timeout_s = send_timeout_s
         self._high_water_mark = high_water_mark
-        self._context = zmq.asyncio.Context()
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._context = zmq.Context()
+        self._sockets: dict[str, _PushSocket] = {}
 
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._sockets.get(endpoint)
-        if sock is None:
+    def _socket(self, endpoint: str) -> _PushSocket:
+        push = self._sockets.get(endpoint)
+        if push is None:
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.LINGER, 0)
@@ -90,27 +162,35 @@ class EmbeddingSender:
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
-            self._sockets[endpoint] = sock
-        return sock
+            push = self._sockets[endpoint] = _PushSocket(sock)
+        return push
 
     async def send(self, endpoints: list[str], frames: Sequence[bytes | memoryview]) -> int:
-        """Send one multipart message to every endpoint at once; returns the bytes sent, raises
-        `DeliveryError` naming the endpoints that did not take it."""
-        if len(endpoints) == 1:
-            results = [await self._send_one(endpoints[0], frames)]
-        else:
-            results = await asyncio.gather(*(self._send_one(e, frames) for e in endpoints))
-        failures = {endpoint: reason for endpoint, reason in zip(endpoints, results) if reason}
+        """Send one multipart message to every endpoint at once; returns the payload bytes sent (the last
+        frame's, times the endpoints), raises `DeliveryError` naming the endpoints that did not take it.
+
+        Payloads are not copied: libzmq's I/O thread reads them from the caller's memory, and pyzmq
+        holds a reference until libzmq is done, so the tensor behind them stays alive that long.
+        """
+        frames = list(frames)
+        failures: dict[str, str] = {}
+        waiting: list[str] = []
+        for endpoint in endpoints:
+            try:
+                if not self._socket(endpoint).send_now(frames):
+                    waiting.append(endpoint)
+            except zmq.ZMQError as exc:
+                failures[endpoint] = f"ZMQ error: {exc}"
+        if waiting:
+            reasons = await asyncio.gather(*(self._send_waiting(endpoint, frames) for endpoint in waiting))
+            failures.update((endpoint, reason) for endpoint, reason in zip(waiting, reasons) if reason)
         if failures:
             raise DeliveryError(failures)
-        return sum(len(frame) for frame in frames) * len(endpoints)
+        return len(frames[-1]) * len(endpoints)
 
-    async def _send_one(self, endpoint: str, frames: Sequence[bytes | memoryview]) -> str | None:
+    async def _send_waiting(self, endpoint: str, frames: list) -> str | None:
         try:
-            sent = self._socket(endpoint).send_multipart(frames, copy=False)
-            if not sent.done():  # no connected peer, or its queue is full: wait on the socket's event
-                await asyncio.wait_for(sent, self.send_timeout_s)
-            sent.result()
+            await self._socket(endpoint).send_when_writable(frames, self.send_timeout_s)
             return None
         except asyncio.TimeoutError:
             return f"no receiver took the embedding within {self.send_timeout_s:g} s"
@@ -118,7 +198,7 @@ class EmbeddingSender:
             return f"ZMQ error: {exc}"
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(0)
+        for push in self._sockets.values():
+            push.close()
         self._sockets.clear()
         self._context.term()

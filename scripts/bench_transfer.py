@@ -1,165 +1,204 @@
-"""Delivery throughput and latency: our sender and receiver against a bare pyzmq zero-copy loop.
+"""Delivery throughput and latency: our sender and receiver against bare pyzmq zero-copy, side by side.
 
-Both sides run in one process over loopback TCP, in the same run, for each payload size:
-throughput (GB/s) streaming `--count` messages, and the median latency of one message sent and
-received on its own. Each figure is the median of `--repeats` interleaved runs; "sender" and
-"receiver" are each of our halves against the other half bare.
+The sending side runs here, the receiving side in a separate process (as a prefill node is), both on
+loopback TCP, so neither side's Python threads compete with the other's for one GIL. Four pairs are
+measured in one run, interleaved, for each payload size:
 
-    python scripts/bench_transfer.py --sizes-mb 1,16 --count 200
+    bare      a blocking pyzmq PUSH (`copy=False`)     ->  a bare PULL (`recv_multipart(copy=False)`)
+    sender    our `EmbeddingSender`, from an event loop ->  the same bare PULL
+    receiver  the bare PUSH                             ->  our `EmbeddingReceiver`, every embedding claimed
+    ours      our `EmbeddingSender`                     ->  our `EmbeddingReceiver` (end to end)
+
+Throughput streams `--count` messages (first send to the last one received, GB/s); latency is the
+median time of one message sent alone until the receiving process acknowledges it; "sending thread"
+is the CPU time of the thread that sends, per message (for our sender: what it costs the event loop). Each repeat
+measures all four back to back, so drift on a shared machine hits them alike; the ratios to bare are
+taken per repeat and printed as median [min-max] over `--repeats`.
+
+    python scripts/bench_transfer.py --sizes-mb 1,16 --count 200 --repeats 9
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-import torch
-import zmq
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from encode_server.receiver import EmbeddingReceiver  # noqa: E402
-from encode_server.transfer import EmbeddingSender  # noqa: E402
-from encode_server.wire import Header  # noqa: E402
-from processors.dtypes import raw_bytes as payload_view  # noqa: E402
 
 DIM = 1024
 
 
-def bare_pyzmq(tensor: torch.Tensor, count: int, rounds: int) -> tuple[float, float]:
-    context = zmq.Context.instance()
+def consumer(control_port: int) -> None:
+    """The receiving process: a bare PULL and an EmbeddingReceiver, driven over a control socket."""
+    import zmq
+
+    from encode_server.receiver import EmbeddingReceiver
+
+    context = zmq.Context()
+    control = context.socket(zmq.PAIR)
+    control.connect(f"tcp://127.0.0.1:{control_port}")
     pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = context.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    payload = payload_view(tensor)
-    header = b'{"v":1}'
-
-    def drain(n: int) -> None:
-        for _ in range(n):
-            pull.recv_multipart(copy=False)
-
-    consumer = threading.Thread(target=drain, args=(count,))
-    consumer.start()
-    started = time.perf_counter()
-    for _ in range(count):
-        push.send_multipart([header, payload], copy=False)
-    consumer.join()
-    throughput = count * len(payload) / (time.perf_counter() - started) / 1e9
-    latencies = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        push.send_multipart([header, payload], copy=False)
-        pull.recv_multipart(copy=False)
-        latencies.append(time.perf_counter() - started)
-    push.close(0)
-    pull.close(0)
-    return throughput, statistics.median(latencies) * 1e3
-
-
-def sender_only(tensor: torch.Tensor, count: int) -> float:
-    """Our sender into a bare PULL socket: GB/s."""
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    sender = EmbeddingSender(send_timeout_s=30)
-    header = Header(req_id="x", part_idx=0, num_parts=1, modality="image", dtype="float32",
-                    shape=(tensor.shape[0], DIM), items=[]).encode()
-
-    async def run() -> float:
-        drain = asyncio.ensure_future(asyncio.to_thread(lambda: [pull.recv_multipart(copy=False)
-                                                                  for _ in range(count)]))
-        started = time.perf_counter()
-        for _ in range(count):
-            await sender.send([f"tcp://127.0.0.1:{port}"], header, payload_view(tensor))
-        await drain
-        return count * tensor.numel() * 4 / (time.perf_counter() - started) / 1e9
-
-    try:
-        return asyncio.run(run())
-    finally:
-        sender.close()
-        pull.close(0)
-
-
-def receiver_only(tensor: torch.Tensor, count: int) -> float:
-    """A bare PUSH socket into our receiver, every embedding claimed: GB/s."""
+    pull_port = pull.bind_to_random_port("tcp://127.0.0.1")
     receiver = EmbeddingReceiver(max_bytes=1 << 40)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.connect(receiver.endpoint)
-    headers = [Header(req_id=f"r{i}", part_idx=0, num_parts=1, modality="image", dtype="float32",
-                      shape=(tensor.shape[0], DIM), items=[]).encode() for i in range(count)]
-    feeder = threading.Thread(target=lambda: [push.send_multipart([h, payload_view(tensor)], copy=False)
-                                              for h in headers])
-    started = time.perf_counter()
-    feeder.start()
-    for index in range(count):
-        receiver.get(f"r{index}", timeout=60)
-    feeder.join()
-    elapsed = time.perf_counter() - started
-    push.close(0)
-    receiver.close()
-    return count * tensor.numel() * 4 / elapsed / 1e9
-
-
-def ours(tensor: torch.Tensor, count: int, rounds: int) -> tuple[float, float]:
-    receiver = EmbeddingReceiver(max_bytes=1 << 40)
-    sender = EmbeddingSender(send_timeout_s=30)
-    rows = tensor.shape[0]
-
-    def header(req_id: str) -> bytes:
-        return Header(req_id=req_id, part_idx=0, num_parts=1, modality="image", dtype="float32",
-                      shape=(rows, DIM), items=[{"tokens": rows, "grid_thw": [1, 1, rows]}]).encode()
-
-    async def run() -> tuple[float, float]:
-        endpoints = [receiver.endpoint]
-        claimed = asyncio.ensure_future(asyncio.to_thread(
-            lambda: [receiver.get(f"s{i}", timeout=60) for i in range(count)]))
-        started = time.perf_counter()
+    control.send_pyobj((pull_port, receiver.port))
+    while True:
+        command, prefix, count = control.recv_pyobj()
+        if command == "stop":
+            break
         for index in range(count):
-            await sender.send(endpoints, header(f"s{index}"), payload_view(tensor))
-        await claimed
-        throughput = count * tensor.numel() * 4 / (time.perf_counter() - started) / 1e9
-        latencies = []
-        for index in range(rounds):
-            started = time.perf_counter()
-            await sender.send(endpoints, header(f"l{index}"), payload_view(tensor))
-            await asyncio.to_thread(receiver.get, f"l{index}", 60)
-            latencies.append(time.perf_counter() - started)
-        return throughput, statistics.median(latencies) * 1e3
+            if command.startswith("pull"):
+                pull.recv_multipart(copy=False)
+            else:
+                receiver.get(f"{prefix}{index}", timeout=60)
+            if count == 1 or command.endswith("-each"):
+                control.send(b"")  # acknowledge each message: the latency rounds
+        if not command.endswith("-each"):
+            control.send(b"")
+    receiver.close()
+    pull.close(0)
+    control.close(0)
+    context.term()
 
-    try:
-        return asyncio.run(run())
-    finally:
-        sender.close()
-        receiver.close()
+
+class Bench:
+    """The sending side: the bare socket, our sender on its own event loop, and the consumer process."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        from encode_server.transfer import EmbeddingSender
+
+        self.zmq = zmq
+        self.context = zmq.Context()
+        self.control = self.context.socket(zmq.PAIR)
+        control_port = self.control.bind_to_random_port("tcp://127.0.0.1")
+        self.process = multiprocessing.get_context("spawn").Process(target=consumer, args=(control_port,))
+        self.process.start()
+        pull_port, receiver_port = self.control.recv_pyobj()
+        self.endpoints = {"pull": f"tcp://127.0.0.1:{pull_port}", "claim": f"tcp://127.0.0.1:{receiver_port}"}
+        self.bare = {}
+        for name, endpoint in self.endpoints.items():
+            self.bare[name] = self.context.socket(zmq.PUSH)
+            self.bare[name].connect(endpoint)
+        self.loop = asyncio.new_event_loop()
+        self.sender = EmbeddingSender(send_timeout_s=60)
+        self.serial = 0
+
+    def close(self) -> None:
+        self.control.send_pyobj(("stop", "", 0))
+        self.process.join(30)
+        self.sender.close()
+        self.loop.close()
+        for sock in self.bare.values():
+            sock.close(0)
+        self.control.close(0)
+        self.context.term()
+
+    def _headers(self, count: int, shape: tuple[int, int]) -> tuple[str, list[bytes]]:
+        from encode_server.wire import Header
+
+        self.serial += 1
+        prefix = f"b{self.serial}-"
+        return prefix, [Header(req_id=f"{prefix}{index}", part_idx=0, num_parts=1, modality="image",
+                               dtype="float32", shape=shape, items=[]).encode() for index in range(count)]
+
+    def stream(self, ours: bool, target: str, tensor, count: int) -> tuple[float, float]:
+        """GB/s of `count` messages, first send to the last one received; and the sending thread's
+        CPU microseconds per message (for ours: what delivery costs the event loop)."""
+        from processors.dtypes import raw_bytes as payload_view
+
+        prefix, headers = self._headers(count, tuple(tensor.shape))
+        self.control.send_pyobj((target, prefix, count))
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        if ours:
+            endpoints = [self.endpoints[target]]
+
+            async def send_all() -> None:
+                for header in headers:
+                    await self.sender.send(endpoints, [header, payload_view(tensor)])
+
+            self.loop.run_until_complete(send_all())
+        else:
+            sock = self.bare[target]
+            for header in headers:
+                sock.send_multipart([header, payload_view(tensor)], copy=False)
+        cpu_us = (time.thread_time() - cpu_started) / count * 1e6
+        self.control.recv()
+        return count * tensor.numel() * 4 / (time.perf_counter() - started) / 1e9, cpu_us
+
+    def latency(self, ours: bool, target: str, tensor, rounds: int) -> float:
+        """Median ms from sending one message alone to its receipt acknowledged by the consumer."""
+        from processors.dtypes import raw_bytes as payload_view
+
+        prefix, headers = self._headers(rounds, tuple(tensor.shape))
+        self.control.send_pyobj((target + "-each", prefix, rounds))
+        samples = []
+        endpoints = [self.endpoints[target]]
+
+        async def one_by_one() -> None:  # inside one running loop, as in the server
+            for header in headers:
+                started = time.perf_counter()
+                await self.sender.send(endpoints, [header, payload_view(tensor)])
+                self.control.recv()  # blocks the loop, which has nothing else to do here
+                samples.append(time.perf_counter() - started)
+
+        if ours:
+            self.loop.run_until_complete(one_by_one())
+        else:
+            for header in headers:
+                started = time.perf_counter()
+                self.bare[target].send_multipart([header, payload_view(tensor)], copy=False)
+                self.control.recv()
+                samples.append(time.perf_counter() - started)
+        return statistics.median(samples) * 1e3
+
+
+PAIRS = {"bare": (False, "pull"), "sender": (True, "pull"), "receiver": (False, "claim"), "ours": (True, "claim")}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def main() -> None:
+    import torch
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", default="1,16")
-    parser.add_argument("--count", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are printed")
+    parser.add_argument("--count", type=int, default=200, help="messages per throughput run at 1 MiB (fewer above)")
+    parser.add_argument("--rounds", type=int, default=20, help="single messages per latency run")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats; medians and ranges are printed")
     args = parser.parse_args()
-    print(f"{'size':>6} {'bare GB/s':>10} {'ours GB/s':>10} {'ratio':>6} {'sender GB/s':>12} "
-          f"{'receiver GB/s':>14} {'bare p50 ms':>12} {'ours p50 ms':>12}")
-    for size_mb in (float(s) for s in args.sizes_mb.split(",")):
-        rows = max(1, int(size_mb * (1 << 20) / (DIM * 4)))
-        tensor = torch.randn(rows, DIM)
-        count = max(10, int(args.count / max(1.0, size_mb / 4)))
-        samples = []
-        for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both alike
-            samples.append((*bare_pyzmq(tensor, count, args.rounds), *ours(tensor, count, args.rounds),
-                            sender_only(tensor, count), receiver_only(tensor, count)))
-        bare_gbps, bare_ms, our_gbps, our_ms, sender_gbps, receiver_gbps = (
-            statistics.median(column) for column in zip(*samples))
-        print(f"{size_mb:>5g}M {bare_gbps:>10.2f} {our_gbps:>10.2f} {our_gbps / bare_gbps:>6.2f} "
-              f"{sender_gbps:>12.2f} {receiver_gbps:>14.2f} {bare_ms:>12.2f} {our_ms:>12.2f}", flush=True)
+    bench = Bench()
+    try:
+        for size_mb in (float(s) for s in args.sizes_mb.split(",")):
+            rows = max(1, int(size_mb * (1 << 20) / (DIM * 4)))
+            tensor = torch.randn(rows, DIM)
+            count = max(20, int(args.count / max(1.0, size_mb / 4)))
+            for ours, target in PAIRS.values():  # warm up: connections, allocator, page cache
+                bench.stream(ours, target, tensor, min(count, 20))
+            gbps = {name: [] for name in PAIRS}
+            cpu_us = {name: [] for name in PAIRS}
+            ms = {name: [] for name in PAIRS}
+            for _ in range(args.repeats):
+                for name, (ours, target) in PAIRS.items():
+                    throughput, cpu = bench.stream(ours, target, tensor, count)
+                    gbps[name].append(throughput)
+                    cpu_us[name].append(cpu)
+                    ms[name].append(bench.latency(ours, target, tensor, args.rounds))
+            print(f"{size_mb:g} MiB x {count} messages, {args.repeats} repeats, median [min-max]:")
+            for name in PAIRS:
+                ratios = [value / bare for value, bare in zip(gbps[name], gbps["bare"])]
+                print(f"  {name:<9} {spread(gbps[name]):>20} GB/s  ratio to bare {spread(ratios):>18}  "
+                      f"p50 latency {spread(ms[name]):>20} ms  sending thread {spread(cpu_us[name]):>22} us/msg",
+                      flush=True)
+    finally:
+        bench.close()
 
 
 if __name__ == "__main__":

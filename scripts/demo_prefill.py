@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
-import httpx
 import numpy as np
 from PIL import Image
 
@@ -34,6 +36,17 @@ def demo_image() -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def post_json(url: str, body: dict, timeout: float = 60.0) -> dict:
+    """POST a JSON body with the standard library (the demo needs nothing the server does not)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:30000")
@@ -44,16 +57,13 @@ def main() -> None:
         # 1. Each prefill rank registers for the request it expects.
         req_id = f"demo-{uuid.uuid4().hex[:8]}"
         for rank, receiver in enumerate(ranks):
-            reply = httpx.post(f"{args.url}/scheduler_receive_url", json={
+            reply = post_json(f"{args.url}/scheduler_receive_url", {
                 "req_id": req_id, "receive_url": receiver.endpoint, "receive_count": len(ranks)})
-            reply.raise_for_status()
-            print(f"rank {rank}: registered {receiver.endpoint} -> {reply.json()}")
+            print(f"rank {rank}: registered {receiver.endpoint} -> {reply}")
         # 2. The router sends the media.
-        response = httpx.post(f"{args.url}/encode", timeout=60, json={
-            "req_id": req_id, "modality": "image", "mm_items": [image]})
-        response.raise_for_status()
-        print(f"router: /encode answered {response.status_code}: shape {response.json()['embedding_shape']}, "
-              f"batch {response.json()['batch_size']}, timings {response.json()['timings_ms']}")
+        response = post_json(f"{args.url}/encode", {"req_id": req_id, "modality": "image", "mm_items": [image]})
+        print(f"router: /encode answered: shape {response['embedding_shape']}, "
+              f"batch {response['batch_size']}, timings {response['timings_ms']}")
         # 3. Every rank gets its copy.
         received = [receiver.get(req_id, timeout=30) for receiver in ranks]
         for rank, result in enumerate(received):
@@ -63,10 +73,9 @@ def main() -> None:
 
         # The destination can also travel in the request itself.
         req_id = f"demo-{uuid.uuid4().hex[:8]}"
-        response = httpx.post(f"{args.url}/encode", timeout=60, json={
+        post_json(f"{args.url}/encode", {
             "req_id": req_id, "modality": "image", "mm_items": [image],
             "prefill_host": "127.0.0.1", "embedding_port": [r.port for r in ranks]})
-        response.raise_for_status()
         for rank, receiver in enumerate(ranks):
             result = receiver.get(req_id, timeout=30)
             print(f"rank {rank}: got {tuple(result.tensor.shape)} via embedding_port {receiver.port}")

@@ -1,0 +1,148 @@
+"""Keep the process's memory and pauses in check: glibc arenas, heap trimming, and when Python's full
+garbage collections run (glibc parts are no-ops elsewhere).
+
+What issue 15 measured with `scripts/rss_soak.py` and `scripts/loop_lag.py`:
+
+- Every thread that allocates (media decoding, the processor, the forward, torch's pool, libzmq)
+  gets a glibc malloc arena, and glibc keeps an arena's freed memory for reuse instead of returning
+  it: after a burst of large images the process stayed hundreds of MiB larger for good.
+  `limit_arenas(n)` caps the arenas at start-up (`mallopt(M_ARENA_MAX)`), and `trim()` returns free
+  pages to the system (`malloc_trim(0)`, which `madvise`s away the free pages of every arena).
+- With 2,000 requests in flight, Python's automatic full (generation 2) collections took 40-120 ms
+  each, holding the GIL: the event loop stood still that long. `defer_full_collections()` leaves
+  young collections automatic and leaves the full ones to the `Housekeeper`.
+
+The `Housekeeper` thread runs both chores (a full collection, then a trim) when the server has gone
+idle after some work, and under unbroken load every `busy_interval_s`: a trim holds each arena's
+lock while it walks it (5-100 ms here) and a full collection holds the GIL, so neither should run
+in the middle of a burst when it can wait for a quiet moment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("encode_server.housekeeping")
+
+_M_ARENA_MAX = -8  # from glibc's malloc.h
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: Generation-2 threshold that keeps CPython from starting full collections on its own.
+_NEVER = 1_000_000_000
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has `malloc_trim`), else None."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set size, from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def limit_arenas(count: int) -> bool:
+    """Cap glibc's malloc arenas (0 leaves glibc's default of 8 per core). True when applied."""
+    libc = _glibc()
+    if count <= 0 or libc is None:
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, count))
+
+
+def trim() -> int:
+    """Give free heap pages back to the system now; returns the bytes the resident size shrank by."""
+    libc = _glibc()
+    if libc is None:
+        return 0
+    before = resident_bytes()
+    libc.malloc_trim(0)  # ctypes releases the GIL for the call
+    return max(0, before - resident_bytes())
+
+
+def defer_full_collections() -> None:
+    """Young generations stay automatic; full collections are left to the `Housekeeper`."""
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, _NEVER)
+
+
+class Housekeeper:
+    """A daemon thread that, every `interval_s`, checks whether the server is quiet: no request in
+    flight (`busy()` false) and no resident growth since the last check (requests still arriving
+    allocate before they are admitted). Quiet after work, it runs a full collection and a trim;
+    under unbroken load, every `busy_interval_s`. `on_run(released_bytes, collect_s, trim_s)` hears
+    of each run."""
+
+    def __init__(self, interval_s: float, busy: Callable[[], bool] = lambda: False, busy_interval_s: float = 300.0,
+                 on_run: Callable[[int, float, float], None] | None = None,
+                 resident: Callable[[], int] = resident_bytes) -> None:
+        self.interval_s = interval_s
+        self.busy_interval_s = busy_interval_s
+        self._busy = busy
+        self._on_run = on_run
+        self._resident = resident
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Start (False when the interval is 0: nothing is deferred then)."""
+        if self.interval_s <= 0:
+            return False
+        defer_full_collections()
+        self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
+        self._thread.start()
+        return True
+
+    def _run(self) -> None:
+        last_run = time.monotonic()
+        last_rss = self._resident()
+        worked = True  # start-up itself left garbage behind
+        while not self._stop.wait(self.interval_s):
+            rss = self._resident()
+            growing, last_rss = rss > last_rss + (1 << 20), rss
+            if self._busy() or growing:
+                worked = True
+                if time.monotonic() - last_run < self.busy_interval_s:
+                    continue
+            elif not worked:
+                continue  # quiet, and nothing happened since the last run
+            worked = False
+            last_run = time.monotonic()
+            self.run_once()
+            last_rss = self._resident()
+
+    def run_once(self) -> tuple[int, float, float]:
+        """A full collection, then a trim: (bytes released, collection seconds, trim seconds)."""
+        started = time.perf_counter()
+        gc.collect()
+        collected = time.perf_counter()
+        released = trim()
+        collect_s, trim_s = collected - started, time.perf_counter() - collected
+        log.debug("housekeeping: full collection %.1f ms, malloc_trim released %.1f MiB in %.1f ms",
+                  collect_s * 1e3, released / (1 << 20), trim_s * 1e3)
+        if self._on_run is not None:
+            self._on_run(released, collect_s, trim_s)
+        return released, collect_s, trim_s
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

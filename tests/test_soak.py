@@ -1,0 +1,21 @@
+"""Resident memory under the issue-15 mix for 10 minutes, and after a burst of large images.
+
+Slow (about 13 minutes on this machine): run with `-m slow`. It drives `scripts/rss_soak.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts import rss_soak
+
+
+@pytest.mark.slow
+def test_rss_stays_flat_under_the_mix_and_comes_back_after_a_burst():
+    summary = rss_soak.main(["--duration-s", "600", "--rest-s", "20", "--burst-s", "20", "--recovery-s", "60"])
+    assert summary["mix_requests"] > 1000 and not summary["mix_failures"] and not summary["burst_failures"]
+    # After the first minute, RSS grows by under 5% (peaks of the second and the last minute).
+    assert summary["growth_after_first_minute"] < 0.05, summary
+    # A burst of large images returns to within 10% of the pre-burst level within a minute of its end.
+    assert summary["recovered_within_10pct_after_s"] is not None, summary
+    assert summary["recovered_within_10pct_after_s"] <= 60.0, summary
