@@ -38,7 +38,7 @@ TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
 #: The `status` values `encoder_requests_total` takes, created at 0 for every modality at start-up.
 KNOWN_STATUSES = ("200", "400", "409", "500", "502", "503", "504", "cancelled")
 #: The `stage` values of `encoder_preprocess_seconds`.
-PREPROCESS_STAGES = ("decode", "processor")
+PREPROCESS_STAGES = ("read", "decode", "processor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,9 +205,10 @@ class ServerMetrics:
             self.requests_total.labels(modality, status)
         for stage in PREPROCESS_STAGES:
             self.preprocess.labels(modality, stage)
-        for histogram in (self.batch_size, self.batch_tokens, self.queue_wait, self.forward, self.transfer,
-                          self.request_duration):
+        for histogram in (self.batch_size, self.batch_tokens, self.forward, self.transfer):
             histogram.labels(modality)
+        for histogram in (self.queue_wait, self.request_duration):  # the default priority's series
+            histogram.labels(modality, "0")
 
     def watch_parked(self, read: Callable[[], tuple[int, int]]) -> None:
         """Read the parked (bytes, embeddings) at each scrape from whoever keeps them."""

@@ -61,9 +61,11 @@ def test_labelled_series_exist_at_zero_for_the_models_modalities():
             assert found[("encoder_requests_total", (("modality", modality), ("status", status)))] == 0
         for stage in ("decode", "processor"):
             assert found[("encoder_preprocess_seconds_count", (("modality", modality), ("stage", stage)))] == 0
-        for histogram in ("encoder_batch_size", "encoder_batch_tokens", "encoder_queue_wait_seconds",
-                          "encoder_forward_seconds", "encoder_transfer_seconds", "encoder_request_duration_seconds"):
+        for histogram in ("encoder_batch_size", "encoder_batch_tokens", "encoder_forward_seconds",
+                          "encoder_transfer_seconds"):
             assert found[(histogram + "_count", (("modality", modality),))] == 0
+        for histogram in ("encoder_queue_wait_seconds", "encoder_request_duration_seconds"):  # by priority too
+            assert found[(histogram + "_count", (("modality", modality), ("priority", "0")))] == 0
     assert not any(dict(labels).get("modality") == "audio" for _, labels in found)  # only the model's own
 
 
