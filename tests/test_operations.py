@@ -28,11 +28,10 @@ def families(url: str) -> dict:
 
 
 def sample(fams: dict, name: str, sample_name: str | None = None, **labels) -> float:
+    """The sum of the family's samples with that name and those labels (0 when none)."""
     family = fams[name]
-    for s in family.samples:
-        if s.name == (sample_name or name) and all(s.labels.get(k) == v for k, v in labels.items()):
-            return s.value
-    return 0.0
+    return sum(s.value for s in family.samples
+               if s.name == (sample_name or name) and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.fixture(scope="module")
