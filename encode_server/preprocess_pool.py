@@ -7,11 +7,10 @@ functions and limits of `encode_server/media.py`, checks its layout (`item_layou
 family's `preprocess` on that item alone. `collate` then fuses a batch's per-item results in order
 into what one `preprocess` over the batch would give.
 
-Pixels never go through pickle: the worker writes the item's input tensors into one POSIX
-shared-memory block (a file in /dev/shm), and sends only its name, the tensors' dtypes, shapes and
-offsets, and the layouts. The pool maps the block, unlinks its name at once, and hands out tensors
-that are views of the mapping; the memory is freed when the last view is (the forward reads them
-directly, or `collate` copies them once into the batch's tensors).
+Pixels never go through pickle: the worker (`preprocess_worker.py`) writes the item's input tensors
+into one POSIX shared-memory block (`shared_tensors.py`) and sends only its description and the
+layouts; the pool maps it and hands out views (the forward reads them directly, or `collate` copies
+them once into the batch's tensors).
 
 One background thread, the conductor, owns the workers: it gives each idle worker the next task (one
 task per worker at a time, so an item goes to whichever worker is free first and a crash is
@@ -35,12 +34,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections import deque
@@ -50,17 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from processors import EncoderAdapter, PreparedBatch
 
-from .media import MediaLimits
+from .decoding import MediaLimits
+from .preprocess_worker import worker_main
+from .shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
 
 log = logging.getLogger("encode_server.preprocess_pool")
 
-#: Where shared-memory blocks live: tmpfs on Linux (what `shm_open` uses), else the temp folder.
-SHM_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-_ALIGN = 64  # each tensor of a block starts on a cache line
 
 
 def default_preprocess_workers(cores: int | None = None) -> int:
@@ -89,163 +83,6 @@ class ItemFailure:
 
 class PoolError(RuntimeError):
     """The pool could not start, or is closed."""
-
-
-# --- shared memory ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SharedTensors:
-    """Where an item's tensors lie in one shared-memory block: `(key, dtype, shape, offset)` each."""
-
-    path: str  # None-like "" when every tensor is empty (no block was made)
-    size: int
-    tensors: tuple[tuple[str, str, tuple[int, ...], int], ...]
-
-
-def export_tensors(tensors: dict[str, torch.Tensor], path: Path) -> SharedTensors:
-    """Copy CPU tensors into a new shared-memory block at `path` (the receiver unlinks it)."""
-    entries, offset = [], 0
-    tensors = {key: value.detach().contiguous() for key, value in tensors.items()}
-    for key, value in tensors.items():
-        entries.append((key, str(value.dtype).removeprefix("torch."), tuple(value.shape), offset))
-        offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
-    if offset == 0:
-        return SharedTensors("", 0, tuple(entries))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        # pwrite, not a mapping: the kernel copies without a page fault per 4 KiB, and a full tmpfs says
-        # ENOSPC here instead of SIGBUS at the first write to a mapped page.
-        for (_, _, _, start), value in zip(entries, tensors.values()):
-            if value.numel():
-                data = value.reshape(-1).view(torch.uint8).numpy()
-                written = os.pwrite(fd, data, start)
-                while written < data.nbytes:
-                    written += os.pwrite(fd, data[written:], start + written)
-        os.ftruncate(fd, offset)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    return SharedTensors(str(path), offset, tuple(entries))
-
-
-def import_tensors(shared: SharedTensors) -> dict[str, torch.Tensor]:
-    """Map a block written by `export_tensors`, unlink its name, and return views of it.
-
-    The mapping stays alive as long as any returned tensor does (each view holds it), then is freed.
-    """
-    if not shared.path:
-        return {key: torch.empty(shape, dtype=getattr(torch, dtype)) for key, dtype, shape, _ in shared.tensors}
-    fd = os.open(shared.path, os.O_RDWR)
-    try:  # MAP_POPULATE: the pages are mapped in one call, not faulted in one by one by the reader
-        block = mmap.mmap(fd, shared.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-        os.unlink(shared.path)
-    tensors = {}
-    for key, dtype, shape, offset in shared.tensors:
-        torch_dtype = getattr(torch, dtype)
-        count = 1
-        for dim in shape:
-            count *= dim
-        if count == 0:
-            tensors[key] = torch.empty(shape, dtype=torch_dtype)
-        else:
-            tensors[key] = torch.frombuffer(block, dtype=torch_dtype, count=count, offset=offset).view(shape)
-    return tensors
-
-
-def remove_stale_blocks() -> int:
-    """Remove the blocks of pools whose server process is gone (killed before it could clean up)."""
-    removed = 0
-    for path in SHM_DIR.glob("encode-preprocess-*"):
-        pid = path.name.split("-")[2]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed += 1
-        except PermissionError:  # another user's live process
-            pass
-    return removed
-
-
-# --- the worker process ------------------------------------------------------------------------------
-
-def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
-                 location: str) -> PreparedBatch:
-    """Decode one item's bytes and run the family's `preprocess` on it alone (what a worker does)."""
-    from processors import ItemError
-
-    from .media import MediaError, decode_bytes, decode_frames
-
-    if isinstance(raw, list):
-        item = decode_frames(raw, limits, location)
-    else:
-        item = decode_bytes(modality, raw, limits, location)
-    try:
-        layout = adapter.item_layout(modality, item)
-    except ItemError as exc:
-        raise MediaError(location, str(exc)) from None
-    prepared = adapter.preprocess(modality, [item])
-    if prepared.layouts != [layout]:
-        raise RuntimeError(f"{location}: the processor's grid {prepared.layouts} differs from the item's layout "
-                           f"{layout}")
-    return prepared
-
-
-def _worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
-                 threads: int) -> None:
-    """A worker process: warm up, say ready, then prepare one task at a time until told to stop."""
-    from .media import MediaError
-    from .parallel.worker import die_with_parent
-
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on SIGINT; it stops workers itself
-    torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s preprocess-worker{index}: "
-                                                      "%(message)s")
-    try:
-        modality, sample = adapter.sample_encoded()
-        prepare_item(adapter, limits, modality, sample, "warm-up")
-    except Exception as exc:
-        results.send(("broken", os.getpid(), f"{type(exc).__name__}: {exc}", None))
-        return
-    results.send(("ready", os.getpid(), "", None))
-    inline_fallback = False
-    for sequence in itertools.count():
-        try:
-            task = tasks.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        task_id, modality, raw, location = task
-        started, cpu_started = time.perf_counter(), time.process_time()
-        try:
-            prepared = prepare_item(adapter, limits, modality, raw, location)
-            inputs: Any
-            try:
-                inputs = export_tensors(prepared.inputs, Path(f"{block_prefix}-{sequence}"))
-            except OSError as exc:  # /dev/shm full or missing: correct but slower, through the pipe
-                if not inline_fallback:
-                    log.warning("shared memory unavailable (%s): sending tensors through the pipe", exc)
-                    inline_fallback = True
-                inputs = prepared.inputs
-            timings = (time.perf_counter() - started, time.process_time() - cpu_started)
-            message = ("done", task_id, (inputs, prepared.layouts, prepared.extras), timings)
-        except (MediaError, ValueError) as exc:  # processors.ItemError is a ValueError
-            message = ("failed", task_id, (400, str(exc)), None)
-        except Exception as exc:
-            message = ("failed", task_id, (500, f"{location}: preprocessing failed: {type(exc).__name__}: {exc}"),
-                       None)
-        try:
-            results.send(message)
-        except (BrokenPipeError, OSError):
-            return
 
 
 # --- the pool ----------------------------------------------------------------------------------------
@@ -417,7 +254,7 @@ class PreprocessPool:
         result_receiver, result_sender = self._context.Pipe(duplex=False)
         worker.generation += 1
         process = self._context.Process(
-            target=_worker_main, name=f"preprocess-worker-{worker.index}", daemon=True,
+            target=worker_main, name=f"preprocess-worker-{worker.index}", daemon=True,
             args=(worker.index, self._copy, self.limits, task_receiver, result_sender,
                   f"{self._block_prefix}-w{worker.index}g{worker.generation}", self.threads_per_worker))
         process.start()

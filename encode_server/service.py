@@ -26,11 +26,12 @@ from processors.dtypes import DTYPE_NAMES
 
 from .admission import Admission
 from .clock import Clock, MonotonicClock
+from .decoding import MediaError, MediaLimits
 from .delivery import Delivery, NativeWire, WireFormat
 from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
 from .engine import EncoderEngine
 from .health import HealthProbe
-from .media import MediaError, MediaLimits, MediaLoader, MediaSource, RawItem, parse_item
+from .media import MediaLoader, MediaSource, RawItem, parse_item
 from .memory import default_cache_bytes
 from .metrics import ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup

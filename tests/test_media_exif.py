@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 from transformers.image_utils import load_image
 
-from encode_server.media import MediaLimits, decode_frames, decode_image
+from encode_server.decoding import MediaLimits, decode_frames, decode_image
 from encode_server.settings import Settings
 from processors import load_adapter
 

@@ -22,16 +22,10 @@ import soundfile
 import torch
 from PIL import Image
 
-from encode_server.media import MediaLimits, decode_bytes, decode_frames
-from encode_server.preprocess_pool import (
-    SHM_DIR,
-    ItemFailure,
-    PreprocessPool,
-    default_preprocess_workers,
-    export_tensors,
-    import_tensors,
-)
+from encode_server.decoding import MediaLimits, decode_bytes, decode_frames
+from encode_server.preprocess_pool import ItemFailure, PreprocessPool, default_preprocess_workers
 from encode_server.settings import Settings
+from encode_server.shared_tensors import SHM_DIR, export_tensors, import_tensors
 from processors import EncoderAdapter, PreparedBatch, load_adapter
 
 CRASH_WIDTH, HANG_WIDTH = 77, 78
@@ -128,7 +122,7 @@ def test_tensors_travel_through_shared_memory_and_the_block_is_unlinked(tmp_path
 
 
 def test_blocks_of_a_dead_server_are_removed():
-    from encode_server.preprocess_pool import remove_stale_blocks
+    from encode_server.shared_tensors import remove_stale_blocks
 
     dead = multiprocessing.get_context("spawn").Process(target=os.getpid)
     dead.start()
@@ -318,7 +312,7 @@ def wait_until(condition, timeout_s: float) -> None:
 
 def test_an_audio_clip_travels_too(adapters):
     """Audio goes through the same shared-memory path (in-process check of the worker's function)."""
-    from encode_server.preprocess_pool import prepare_item
+    from encode_server.preprocess_worker import prepare_item
 
     audio = adapters["tiny-qwen2-audio"]
     buffer = io.BytesIO()

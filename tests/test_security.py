@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from encode_server.media import MediaError, MediaLimits, MediaLoader, parse_item
+from encode_server.decoding import MediaError, MediaLimits
+from encode_server.media import MediaLoader, parse_item
 from encode_server.settings import Settings
 from encode_server.url_guard import (
     BlockedAddressError,

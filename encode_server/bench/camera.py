@@ -90,7 +90,7 @@ def camera_jpegs(count: int, seed: int = 0) -> list[bytes]:
 
 def run_inprocess(adapter, images: list[bytes], batch_size: int, seconds: float) -> dict:
     """Decode + processor + forward, one batch after another, on one core."""
-    from encode_server.media import MediaLimits, decode_bytes
+    from encode_server.decoding import MediaLimits, decode_bytes
     from encode_server.settings import Settings
 
     if hasattr(os, "sched_setaffinity"):
@@ -116,7 +116,7 @@ def run_inprocess(adapter, images: list[bytes], batch_size: int, seconds: float)
 
 def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
     """The pool prepares batch k+1 while this process collates and forwards batch k."""
-    from encode_server.media import MediaLimits
+    from encode_server.decoding import MediaLimits
     from encode_server.preprocess_pool import PreprocessPool
     from encode_server.settings import Settings
     from processors import PreparedBatch

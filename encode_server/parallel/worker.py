@@ -28,7 +28,7 @@ import zmq
 
 from processors import load_adapter
 
-from ..media import MediaError, MediaLimits, decode_bytes, decode_frames
+from ..decoding import MediaError, MediaLimits, decode_bytes, decode_frames
 from ..settings import Settings
 from .channel import pack_result, unpack_batch
 

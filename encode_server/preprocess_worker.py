@@ -1,0 +1,99 @@
+"""What a preprocessing worker process does (started by `preprocess_pool.PreprocessPool` with `spawn`).
+
+A worker holds the adapter's `preprocessing_copy()` (no model) and one torch thread. For each task (one
+item's raw bytes and modality) it decodes the item with the functions and limits of
+`encode_server/media.py`, checks its layout, runs the family's `preprocess` on it alone, and sends the
+tensors back through shared memory (`shared_tensors.py`): never the pixels through the pipe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from processors import EncoderAdapter, PreparedBatch
+
+from .decoding import MediaLimits
+from .shared_tensors import export_tensors
+
+log = logging.getLogger("encode_server.preprocess_worker")
+
+
+def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
+                 location: str) -> PreparedBatch:
+    """Decode one item's bytes and run the family's `preprocess` on it alone (what a worker does)."""
+    from processors import ItemError
+
+    from .decoding import MediaError, decode_bytes, decode_frames
+
+    if isinstance(raw, list):
+        item = decode_frames(raw, limits, location)
+    else:
+        item = decode_bytes(modality, raw, limits, location)
+    try:
+        layout = adapter.item_layout(modality, item)
+    except ItemError as exc:
+        raise MediaError(location, str(exc)) from None
+    prepared = adapter.preprocess(modality, [item])
+    if prepared.layouts != [layout]:
+        raise RuntimeError(f"{location}: the processor's grid {prepared.layouts} differs from the item's layout "
+                           f"{layout}")
+    return prepared
+
+
+def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
+                 threads: int) -> None:
+    """A worker process: warm up, say ready, then prepare one task at a time until told to stop."""
+    from .decoding import MediaError
+    from .parallel.worker import die_with_parent
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on SIGINT; it stops workers itself
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s preprocess-worker{index}: "
+                                                      "%(message)s")
+    try:
+        modality, sample = adapter.sample_encoded()
+        prepare_item(adapter, limits, modality, sample, "warm-up")
+    except Exception as exc:
+        results.send(("broken", os.getpid(), f"{type(exc).__name__}: {exc}", None))
+        return
+    results.send(("ready", os.getpid(), "", None))
+    inline_fallback = False
+    for sequence in itertools.count():
+        try:
+            task = tasks.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        task_id, modality, raw, location = task
+        started, cpu_started = time.perf_counter(), time.process_time()
+        try:
+            prepared = prepare_item(adapter, limits, modality, raw, location)
+            inputs: Any
+            try:
+                inputs = export_tensors(prepared.inputs, Path(f"{block_prefix}-{sequence}"))
+            except OSError as exc:  # /dev/shm full or missing: correct but slower, through the pipe
+                if not inline_fallback:
+                    log.warning("shared memory unavailable (%s): sending tensors through the pipe", exc)
+                    inline_fallback = True
+                inputs = prepared.inputs
+            timings = (time.perf_counter() - started, time.process_time() - cpu_started)
+            message = ("done", task_id, (inputs, prepared.layouts, prepared.extras), timings)
+        except (MediaError, ValueError) as exc:  # processors.ItemError is a ValueError
+            message = ("failed", task_id, (400, str(exc)), None)
+        except Exception as exc:
+            message = ("failed", task_id, (500, f"{location}: preprocessing failed: {type(exc).__name__}: {exc}"),
+                       None)
+        try:
+            results.send(message)
+        except (BrokenPipeError, OSError):
+            return
