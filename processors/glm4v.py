@@ -16,7 +16,6 @@ frames do not carry (`transformers` refuses frames without it unless `do_sample_
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ import torch
 
 from .base import EncoderAdapter, ModelInfo
 from .family import Family
-from .grid_vision import GridVisionAdapter
-from .video_patches import VideoPatcher, load_video_processor
+from .grid_vision import GridVisionAdapter, ImageSize, load_grid_tower, resize_rule, shard_grid_blocks
+from .video_patches import VideoPatcher
 
 BUILTIN_SEED = 1234
 
@@ -37,13 +36,6 @@ _TOWERS = {
 }
 
 
-def _transformers_class(path: str) -> type:
-    import importlib
-
-    module, name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
-
-
 def run_glm4v_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
     """The tower's rows; a video's `[t, h, w]` becomes `t` rows of `[1, h, w]` first, as `get_video_features` does."""
     if modality == "video":
@@ -52,18 +44,20 @@ def run_glm4v_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Te
     return tower(pixels, grid_thw=grid).pooler_output
 
 
-def image_size_of(image_processor: Any) -> Callable[[int, int], tuple[int, int]]:
-    """How `Glm4vImageProcessorPil.resize` sizes an image (as `temporal_patch_size` identical frames)."""
+def _glm4v_size(height: int, width: int, *, temporal: int, factor: int, min_pixels: int,
+                max_pixels: int) -> tuple[int, int]:
     from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
+    return smart_resize(num_frames=temporal, height=height, width=width, temporal_factor=temporal, factor=factor,
+                        min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def image_size_of(image_processor: Any) -> ImageSize:
+    """How `Glm4vImageProcessorPil.resize` sizes an image (as `temporal_patch_size` identical frames)."""
     size = image_processor.size
-    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
-    temporal = int(image_processor.temporal_patch_size)
-    if not image_processor.do_resize:
-        return lambda height, width: (height, width)
-    return lambda height, width: smart_resize(num_frames=temporal, height=height, width=width,
-                                              temporal_factor=temporal, factor=factor,
-                                              min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
+    return resize_rule(_glm4v_size, image_processor, temporal=int(image_processor.temporal_patch_size),
+                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
+                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
 
 
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
@@ -77,41 +71,13 @@ def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
     """The vision tower (merger included) of a GLM-4.1V / 4.5V checkpoint; the language model is never built."""
-    from transformers import AutoImageProcessor
-
-    from .checkpoint import CheckpointError, load_encoder_modules, read_config
-
-    folder = Path(folder)
-    model_type = read_config(folder).get("model_type")
-    if model_type not in _TOWERS:
-        raise CheckpointError(f"{folder}: model_type {model_type!r} is not a GLM-4V model")
-    config_class, tower_class = (_transformers_class(path) for path in _TOWERS[model_type])
-    vision_config = config_class.from_pretrained(folder).vision_config
-    vision_config._attn_implementation = "sdpa"
-    modules = load_encoder_modules(folder, lambda: {"visual": tower_class._from_config(vision_config)})
-    try:
-        image_processor = AutoImageProcessor.from_pretrained(folder)
-        video_processor = load_video_processor(folder, default="Glm4vVideoProcessor")
-        return build_adapter(folder.name, modules["visual"], image_processor, video_processor, device, dtype)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: {exc}") from None
+    return load_grid_tower(folder, _TOWERS, "GLM-4V", lambda tower, images, videos: build_adapter(
+        Path(folder).name, tower, images, videos, device, dtype), default_video_processor="Glm4vVideoProcessor")
 
 
 def shard(adapter: EncoderAdapter, mesh: Any) -> None:
     """Attention heads and MLP columns split over the ranks; the patch merger stays whole."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from .sharding import check_heads, reorder_fused_qkv
-
-    world = mesh.size()
-    for block in adapter.encoder["visual"].blocks:
-        attention = block.attn
-        local = check_heads(attention.num_heads, world, adapter.info.family)
-        reorder_fused_qkv(attention.qkv, attention.num_heads, world)
-        attention.num_heads = local
-        parallelize_module(attention, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
-        parallelize_module(block.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                             "down_proj": RowwiseParallel()})
+    shard_grid_blocks(adapter, mesh, colwise_mlp=("gate_proj", "up_proj"), rowwise_mlp=("down_proj",))
 
 
 def tiny_glm4v(device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

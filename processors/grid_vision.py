@@ -13,7 +13,10 @@ item only, and their position embeddings come from each item's own grid.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,3 +102,62 @@ class GridVisionAdapter(EncoderAdapter):
         grid = batch.inputs["grid_thw"].to(self.device)
         rows = self.run_tower(self.tower, pixels, grid, batch.modality)
         return rows.to("cpu").contiguous()
+
+
+def transformers_class(path: str) -> type:
+    """A class by its path under `transformers.models` (imported only when needed)."""
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
+
+
+def unchanged_size(height: int, width: int) -> tuple[int, int]:
+    """The image size of a processor that does not resize."""
+    return height, width
+
+
+def resize_rule(size_of: Callable[..., tuple[int, int]], image_processor: Any, **settings: Any) -> ImageSize:
+    """`size_of(height, width, **settings)` as an `ImageSize` that pickles (a preprocessing worker needs it)."""
+    if not image_processor.do_resize:
+        return unchanged_size
+    return functools.partial(size_of, **settings)
+
+
+def load_grid_tower(folder: Path, towers: Mapping[str, tuple[str, str]], what: str,
+                    build: Callable[[torch.nn.Module, Any], EncoderAdapter], default_video_processor: str
+                    ) -> EncoderAdapter:
+    """The vision tower of a checkpoint whose `model_type` is in `towers` (-> config class, tower class paths),
+    loaded alone (the language model is never built), then `build(tower, image_processor, video_processor)`."""
+    from transformers import AutoImageProcessor
+
+    from .checkpoint import CheckpointError, load_encoder_modules, read_config
+    from .video_patches import load_video_processor
+
+    folder = Path(folder)
+    model_type = read_config(folder).get("model_type")
+    if model_type not in towers:
+        raise CheckpointError(f"{folder}: model_type {model_type!r} is not a {what} model")
+    config_class, tower_class = (transformers_class(path) for path in towers[model_type])
+    vision_config = config_class.from_pretrained(folder).vision_config
+    vision_config._attn_implementation = "sdpa"
+    modules = load_encoder_modules(folder, lambda: {"visual": tower_class._from_config(vision_config)})
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+        video_processor = load_video_processor(folder, default=default_video_processor)
+        return build(modules["visual"], image_processor, video_processor)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
+
+
+def shard_grid_blocks(adapter: EncoderAdapter, mesh: Any, colwise_mlp: Sequence[str], rowwise_mlp: Sequence[str]
+                      ) -> None:
+    """Attention heads (fused qkv reordered per rank) and MLP columns split over the ranks; mergers stay whole."""
+    from .sharding import check_heads, reorder_fused_qkv, split_linears
+
+    world = mesh.size()
+    for block in adapter.encoder["visual"].blocks:
+        attention = block.attn
+        local = check_heads(attention.num_heads, world, adapter.info.family)
+        reorder_fused_qkv(attention.qkv, attention.num_heads, world)
+        attention.num_heads = local
+        split_linears(attention, mesh, colwise=("qkv",), rowwise=("proj",))
+        split_linears(block.mlp, mesh, colwise=colwise_mlp, rowwise=rowwise_mlp)

@@ -18,7 +18,6 @@ same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ import torch
 
 from .base import EncoderAdapter, ModelInfo
 from .family import Family
-from .grid_vision import GridVisionAdapter
-from .video_patches import VideoPatcher, load_video_processor
+from .grid_vision import GridVisionAdapter, ImageSize, load_grid_tower, resize_rule, shard_grid_blocks
+from .video_patches import VideoPatcher
 
 BUILTIN_SEED = 1234
 
@@ -44,13 +43,6 @@ _TOWERS = {
 }
 
 
-def _transformers_class(path: str) -> type:
-    import importlib
-
-    module, name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
-
-
 def deepstack_count(vision_config: Any) -> int:
     return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
 
@@ -62,16 +54,18 @@ def run_qwen3_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Te
     return torch.cat([output.pooler_output, *deepstack], dim=-1) if deepstack else output.pooler_output
 
 
-def image_size_of(image_processor: Any) -> Callable[[int, int], tuple[int, int]]:
-    """How `Qwen2VLImageProcessorPil.resize` sizes an image."""
+def _qwen_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def image_size_of(image_processor: Any) -> ImageSize:
+    """How `Qwen2VLImageProcessorPil.resize` sizes an image."""
     size = image_processor.size
-    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
-    if not image_processor.do_resize:
-        return lambda height, width: (height, width)
-    return lambda height, width: smart_resize(height, width, factor=factor, min_pixels=size.shortest_edge,
-                                              max_pixels=size.longest_edge)
+    return resize_rule(_qwen_size, image_processor,
+                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
+                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
 
 
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
@@ -86,40 +80,13 @@ def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
     """The vision tower (mergers included) of a Qwen3-VL / Qwen3.5 checkpoint; the language model is never built."""
-    from transformers import AutoImageProcessor
-
-    from .checkpoint import CheckpointError, load_encoder_modules, read_config
-
-    folder = Path(folder)
-    model_type = read_config(folder).get("model_type")
-    if model_type not in _TOWERS:
-        raise CheckpointError(f"{folder}: model_type {model_type!r} is not a Qwen3-VL / Qwen3.5 model")
-    config_class, tower_class = (_transformers_class(path) for path in _TOWERS[model_type])
-    vision_config = config_class.from_pretrained(folder).vision_config
-    vision_config._attn_implementation = "sdpa"
-    modules = load_encoder_modules(folder, lambda: {"visual": tower_class._from_config(vision_config)})
-    try:
-        image_processor = AutoImageProcessor.from_pretrained(folder)
-        video_processor = load_video_processor(folder, default="Qwen3VLVideoProcessor")
-        return build_adapter(folder.name, modules["visual"], image_processor, video_processor, device, dtype)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: {exc}") from None
+    return load_grid_tower(folder, _TOWERS, "Qwen3-VL / Qwen3.5", lambda tower, images, videos: build_adapter(
+        Path(folder).name, tower, images, videos, device, dtype), default_video_processor="Qwen3VLVideoProcessor")
 
 
 def shard(adapter: EncoderAdapter, mesh: Any) -> None:
     """Attention heads and MLP columns split over the ranks; the mergers (deepstack ones too) stay whole."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from .sharding import check_heads, reorder_fused_qkv
-
-    world = mesh.size()
-    for block in adapter.encoder["visual"].blocks:
-        attention = block.attn
-        local = check_heads(attention.num_heads, world, adapter.info.family)
-        reorder_fused_qkv(attention.qkv, attention.num_heads, world)
-        attention.num_heads = local
-        parallelize_module(attention, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
-        parallelize_module(block.mlp, mesh, {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()})
+    shard_grid_blocks(adapter, mesh, colwise_mlp=("linear_fc1",), rowwise_mlp=("linear_fc2",))
 
 
 def tiny_qwen3_vl(device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

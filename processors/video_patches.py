@@ -25,6 +25,7 @@ do_sample_frames=False)` (or with the frames' true `video_metadata`, which sampl
 
 from __future__ import annotations
 
+import functools
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,48 +153,59 @@ def _native_uint8_bilinear() -> bool:
 
 # --- how each video processor sizes a clip (its `resize`), by class name -------------------------
 
-def _qwen2_vl_sizing(processor: Any) -> ResizedSize:
-    """`Qwen2VLVideoProcessor.resize`: Qwen2-VL's per-frame `smart_resize`, with its optional total-pixel cap."""
+# Each sizing is a module-level function bound to the processor's settings with `functools.partial`, so
+# that an adapter's preprocessing copy pickles (preprocessing workers receive it).
+
+def _sizing_settings(processor: Any) -> dict[str, Any]:
+    size = _checked_size(processor)
+    cap = int(processor.max_video_tokens) if getattr(processor, "cap_pixels_per_frame", False) else 0
+    return {"min_pixels": int(size.shortest_edge), "max_pixels": int(size.longest_edge), "factor": _factor(processor),
+            "temporal": int(processor.temporal_patch_size), "max_video_tokens": cap}
+
+
+def _qwen2_vl_resized(num_frames: int, height: int, width: int, *, min_pixels: int, max_pixels: int, factor: int,
+                      temporal: int, max_video_tokens: int) -> tuple[int, int]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    size, factor, temporal = _checked_size(processor), _factor(processor), int(processor.temporal_patch_size)
+    if max_video_tokens:
+        total_pixels = int(max_video_tokens * factor * factor * 0.9)
+        max_pixels = max(min(max_pixels, total_pixels * temporal // num_frames), int(min_pixels * 1.05))
+    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
-    def resized(num_frames: int, height: int, width: int) -> tuple[int, int]:
-        max_pixels = size.longest_edge
-        if processor.cap_pixels_per_frame:
-            total_pixels = int(processor.max_video_tokens * factor * factor * 0.9)
-            max_pixels = max(min(max_pixels, total_pixels * temporal // num_frames), int(size.shortest_edge * 1.05))
-        return smart_resize(height, width, factor=factor, min_pixels=size.shortest_edge, max_pixels=max_pixels)
 
-    return resized
+def _qwen2_vl_sizing(processor: Any) -> ResizedSize:
+    """`Qwen2VLVideoProcessor.resize`: Qwen2-VL's per-frame `smart_resize`, with its optional total-pixel cap."""
+    return functools.partial(_qwen2_vl_resized, **_sizing_settings(processor))
+
+
+def _qwen3_vl_resized(num_frames: int, height: int, width: int, *, min_pixels: int, max_pixels: int, factor: int,
+                      temporal: int, max_video_tokens: int) -> tuple[int, int]:
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    if max_video_tokens:
+        frame_cap = max_video_tokens * factor * factor
+        per_frame = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    return smart_resize(num_frames=num_frames, height=height, width=width, temporal_factor=temporal,
+                        factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def _qwen3_vl_sizing(processor: Any) -> ResizedSize:
     """`Qwen3VLVideoProcessor.resize`: one `smart_resize` over the whole clip, with its optional per-frame cap."""
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+    return functools.partial(_qwen3_vl_resized, **_sizing_settings(processor))
 
-    size, factor, temporal = _checked_size(processor), _factor(processor), int(processor.temporal_patch_size)
 
-    def resized(num_frames: int, height: int, width: int) -> tuple[int, int]:
-        max_pixels = size.longest_edge
-        if processor.cap_pixels_per_frame:
-            frame_cap = processor.max_video_tokens * factor * factor
-            per_frame = max(min(frame_cap, size.longest_edge // num_frames), int(size.shortest_edge * 1.05))
-            max_pixels = per_frame * num_frames
-        return smart_resize(num_frames=num_frames, height=height, width=width, temporal_factor=temporal,
-                            factor=factor, min_pixels=size.shortest_edge, max_pixels=max_pixels)
+def _glm4v_resized(num_frames: int, height: int, width: int, *, min_pixels: int, max_pixels: int, factor: int,
+                   temporal: int, max_video_tokens: int) -> tuple[int, int]:
+    from transformers.models.glm4v.video_processing_glm4v import smart_resize
 
-    return resized
+    return smart_resize(num_frames=num_frames, height=height, width=width, temporal_factor=temporal, factor=factor,
+                        min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def _glm4v_sizing(processor: Any) -> ResizedSize:
     """`Glm4vVideoProcessor.resize`: one `smart_resize` over the whole clip."""
-    from transformers.models.glm4v.video_processing_glm4v import smart_resize
-
-    size, factor, temporal = _checked_size(processor), _factor(processor), int(processor.temporal_patch_size)
-    return lambda num_frames, height, width: smart_resize(
-        num_frames=num_frames, height=height, width=width, temporal_factor=temporal, factor=factor,
-        min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
+    return functools.partial(_glm4v_resized, **_sizing_settings(processor))
 
 
 def _checked_size(processor: Any) -> Any:

@@ -58,7 +58,7 @@ def assert_same(expected: PreparedBatch, got: PreparedBatch) -> None:
 @pytest.fixture(scope="module")
 def adapters() -> dict[str, EncoderAdapter]:
     return {name: load_adapter(name, "cpu", "float32") for name in ("tiny-qwen2.5-vl", "tiny-internvl",
-                                                                    "tiny-qwen2-audio")}
+                                                                    "tiny-qwen2-audio", "tiny-qwen3-vl", "tiny-glm4v")}
 
 
 CASES = {  # (modality, items): sizes that differ, so that grids and tile counts differ
@@ -66,12 +66,17 @@ CASES = {  # (modality, items): sizes that differ, so that grids and tile counts
     "qwen-video": ("tiny-qwen2.5-vl", "video", lambda: [[image(64, 64, 4)] * 3, [image(112, 56, s) for s in (5, 6)]]),
     "internvl": ("tiny-internvl", "image", lambda: [image(64, 64, 7), image(400, 100, 8), image(100, 300, 9)]),
     "audio": ("tiny-qwen2-audio", "audio", lambda: [wav(1600, 1), wav(16000, 2), wav(40000, 3)]),
+    "qwen3-image": ("tiny-qwen3-vl", "image", lambda: [image(64, 64, 10), image(300, 120, 11)]),
+    "qwen3-video": ("tiny-qwen3-vl", "video", lambda: [[image(96, 64, s) for s in (12, 13, 14)]]),
+    "glm4v-image": ("tiny-glm4v", "image", lambda: [image(64, 64, 15), image(120, 300, 16)]),
+    "glm4v-video": ("tiny-glm4v", "video", lambda: [[image(84, 56, s) for s in (17, 18)]]),
 }
 
 
 # --- the adapter's additions -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-internvl", "tiny-qwen2-audio"])
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-internvl", "tiny-qwen2-audio", "tiny-qwen3-vl",
+                                  "tiny-glm4v"])
 def test_preprocessing_copy_pickles_without_the_model_and_preprocesses_alike(adapters, name):
     adapter = adapters[name]
     copy = adapter.preprocessing_copy()
