@@ -7,7 +7,20 @@ from collections.abc import Sequence
 
 import torch
 
-from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
+from encode_server.metrics import ServerMetrics
+from encode_server.policy import BatchPolicy
+from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta, Timings
+from encode_server.scheduler import EncoderScheduler
+from processors import ItemLayout
+
+#: The layout of every fake job: 4 rows.
+LAYOUT = ItemLayout(tokens=4, grid_thw=(1, 4, 4))
+
+
+def job(req_id: str, modality: str = "image", probe: bool = False) -> EncodeJob:
+    """A one-item job of 4 rows (its item is never looked at by a fake engine)."""
+    return EncodeJob(meta=PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality), items=(None,),
+                     layouts=(LAYOUT,), probe=probe)
 
 
 class FakeClock:
@@ -79,3 +92,26 @@ class FakeEngine:
                     for index, job in enumerate(jobs)]
         finally:
             self.running -= 1
+
+
+class SchedulerRig:
+    """Builds started schedulers on fake clocks (`rig(policy) -> scheduler, engine, clock`) and stops them all."""
+
+    def __init__(self, make_engine, max_in_flight: int) -> None:
+        self._make_engine = make_engine
+        self._max_in_flight = max_in_flight
+        self._made: list[EncoderScheduler] = []
+
+    def __call__(self, policy: BatchPolicy, engine: FakeEngine | None = None, max_in_flight: int | None = None):
+        clock = FakeClock()
+        engine = engine or self._make_engine()
+        scheduler = EncoderScheduler(engine, policy, ServerMetrics(), clock=clock,
+                                     max_in_flight=self._max_in_flight if max_in_flight is None else max_in_flight)
+        scheduler.start()
+        self._made.append(scheduler)
+        return scheduler, engine, clock
+
+    async def close(self) -> None:
+        for scheduler in self._made:
+            scheduler.engine.release()
+            await scheduler.stop()

@@ -8,38 +8,18 @@ import asyncio
 
 import pytest
 
-from encode_server.metrics import ServerMetrics
 from encode_server.policy import BatchPolicy
-from encode_server.records import EncodeError, EncodeJob, PartMeta
-from encode_server.scheduler import EncoderScheduler
-from processors import ItemLayout
+from encode_server.records import EncodeError
 
-from .fakes import FakeClock, FakeEngine, settle
-
-LAYOUT = ItemLayout(tokens=4, grid_thw=(1, 4, 4))
-
-
-def job(req_id: str, modality: str = "image", probe: bool = False) -> EncodeJob:
-    return EncodeJob(meta=PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality), items=(None,),
-                     layouts=(LAYOUT,), probe=probe)
+from .fakes import FakeEngine, SchedulerRig, job, settle
 
 
 @pytest.fixture
 async def rig():
-    """A scheduler on a fake clock; yields a factory so each test picks its policy and engine."""
-    made = []
-
-    def build(policy: BatchPolicy, engine: FakeEngine | None = None, max_in_flight: int = 2):
-        clock = FakeClock()
-        engine = engine or FakeEngine()
-        scheduler = EncoderScheduler(engine, policy, ServerMetrics(), max_in_flight=max_in_flight, clock=clock)
-        scheduler.start()
-        made.append(scheduler)
-        return scheduler, engine, clock
-
-    yield build
-    for scheduler in made:
-        await scheduler.stop()
+    """A scheduler on a fake clock; a factory, so each test picks its policy and engine."""
+    rig = SchedulerRig(FakeEngine, max_in_flight=2)
+    yield rig
+    await rig.close()
 
 
 async def test_an_idle_encoder_takes_a_request_at_once_with_the_default_policy(rig):

@@ -8,13 +8,10 @@ import asyncio
 import pytest
 import torch
 
-from encode_server.metrics import ServerMetrics
 from encode_server.policy import BatchPolicy
-from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta, Timings
-from encode_server.scheduler import EncoderScheduler
-from processors import ItemLayout
+from encode_server.records import EncodedPart, EncodeError, Timings
 
-from .fakes import FakeClock, FakeEngine, settle
+from .fakes import FakeEngine, SchedulerRig, job, settle
 
 
 class StepEngine(FakeEngine):
@@ -36,30 +33,13 @@ class StepEngine(FakeEngine):
         for gate in self.gates:
             gate.set()
 
-LAYOUT = ItemLayout(tokens=4, grid_thw=(1, 4, 4))
-
-
-def job(req_id: str, modality: str = "image") -> EncodeJob:
-    return EncodeJob(meta=PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality), items=(None,),
-                     layouts=(LAYOUT,))
 
 
 @pytest.fixture
 async def rig():
-    made = []
-
-    def build(policy: BatchPolicy, engine: FakeEngine | None = None, max_in_flight: int = 1):
-        clock = FakeClock()
-        engine = engine or StepEngine()
-        scheduler = EncoderScheduler(engine, policy, ServerMetrics(), max_in_flight=max_in_flight, clock=clock)
-        scheduler.start()
-        made.append(scheduler)
-        return scheduler, engine, clock
-
-    yield build
-    for scheduler in made:
-        scheduler.engine.release()
-        await scheduler.stop()
+    rig = SchedulerRig(StepEngine, max_in_flight=1)
+    yield rig
+    await rig.close()
 
 
 async def finish_running(engine: StepEngine) -> None:
