@@ -16,10 +16,10 @@ import binascii
 import io
 import re
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -27,6 +27,8 @@ from PIL import Image
 
 from .decoding import MediaError, MediaLimits, decode_bytes, decode_frames
 from .url_guard import BlockedAddressError, GuardedConnector, content_type_refusal, resolve_local_path
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,18 @@ def decode_data_uri(uri: str, location: str) -> bytes:
     return urllib.parse.unquote_to_bytes(payload)
 
 
+async def each_in_order(steps: list[Awaitable[T]]) -> list[T]:
+    """Run one step per item concurrently (a lone one without a task); the results in item order, or the
+    first item's error in item order, after every step has ended."""
+    if len(steps) == 1:  # most requests: no task per item
+        return [await steps[0]]
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return list(results)
+
+
 @dataclass(frozen=True)
 class LoadedItem:
     """One decoded item, what the model will make of it (its `ItemLayout`), and its raw bytes
@@ -189,15 +203,7 @@ class MediaLoader:
     async def load(self, modality: str, sources: Sequence[MediaSource],
                    describe: Callable[[str, Any], Any]) -> list[LoadedItem]:
         """Decode every item concurrently; raise the first item's error in item order."""
-        if len(sources) == 1:  # most requests: no task per item
-            return [await self._load_one(modality, sources[0], describe)]
-        results = await asyncio.gather(
-            *(self._load_one(modality, source, describe) for source in sources), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)  # type: ignore[arg-type]
+        return await each_in_order([self._load_one(modality, source, describe) for source in sources])
 
     async def read(self, modality: str, sources: Sequence[MediaSource], digest: Callable[[bytes | list[bytes]], Any],
                    describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> list[RawItem]:
@@ -209,12 +215,7 @@ class MediaLoader:
         holds it or is computing it) is decoded at once, so a miss costs no second trip; a known one is
         left undecoded (`loaded` None): a hit skips decoding.
         """
-        results = await asyncio.gather(*(self._read_one(modality, source, digest, describe, known)
-                                         for source in sources), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)  # type: ignore[arg-type]
+        return await each_in_order([self._read_one(modality, source, digest, describe, known) for source in sources])
 
     async def _read_one(self, modality: str, source: MediaSource, digest: Callable[[bytes | list[bytes]], Any],
                         describe: Callable[[str, Any], Any], known: Callable[[Any], bool]) -> RawItem:

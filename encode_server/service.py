@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -25,19 +24,19 @@ from processors import EncoderAdapter
 from processors.dtypes import DTYPE_NAMES
 
 from .admission import Admission
+from .cached_encoding import CachedEncoding, cache_capacity, item_keys
 from .clock import Clock, MonotonicClock
 from .decoding import MediaError, MediaLimits
 from .delivery import Delivery, NativeWire, WireFormat
-from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
+from .embedding_cache import EmbeddingCache
 from .engine import EncoderEngine
 from .health import HealthProbe
-from .media import MediaLoader, MediaSource, RawItem, parse_item
-from .memory import default_cache_bytes
+from .media import LoadedItem, MediaLoader, parse_item
 from .metrics import ServerMetrics
 from .parallel.ranks import DataParallelReplicas, WorkerGroup
 from .policy import BatchPolicy
 from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
-from .records import EncodedPart, EncodeError, EncodeJob, PartMeta, Timings
+from .records import EncodedPart, EncodeError, EncodeJob, PartMeta
 from .responses import encode_response
 from .scheduler import EncoderScheduler
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
@@ -125,8 +124,15 @@ class EncoderService:
         # With a pool, images are only opened here (header: size and pixel limit, for the layout); the
         # pool's workers decode them in full.
         self.media = MediaLoader(self._media_pool, limits, header_only_images=self.preprocess_pool is not None)
-        self.cache, self.item_keys = build_cache(settings, adapter, self.media.limits)
+        self.cache = EmbeddingCache(cache_capacity(settings))
         self.metrics.watch_cache(self.cache)
+        # The embedding cache's request path (off with --cache-bytes 0); its misses come back through
+        # `_submit`, with the longest deadline a request may have: other requests may wait for them.
+        self.cached = CachedEncoding(
+            self.cache, item_keys(adapter, limits), self.media, adapter.item_layout, self.metrics,
+            lambda meta, loaded, decode_s, priority: self._submit(
+                meta, loaded, decode_s, self.clock.now() + settings.req_timeout_s, priority),
+        ) if self.cache.enabled else None
         replicas = None
         if group is not None and group.role == "dp":
             replicas = DataParallelReplicas(group, asyncio.get_running_loop())
@@ -223,82 +229,21 @@ class EncoderService:
         CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
-            if self.cache.enabled and not probe:
-                return await self._encode_through_cache(meta, sources, decode_started, priority)
+            if self.cached is not None and not probe:
+                return await self.cached.encode(meta, sources, decode_started, priority)
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
-        decode_s = time.perf_counter() - decode_started
+        return await self._submit(meta, loaded, time.perf_counter() - decode_started, deadline, priority, probe)
+
+    async def _submit(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, deadline: float,
+                      priority: int = 0, probe: bool = False) -> EncodedPart:
+        """Queue a part's decoded items as one job and await its rows."""
         self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
         job = EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
                         decode_s=decode_s, probe=probe)
         return await self.scheduler.submit(job, deadline, priority)
-
-    async def _encode_through_cache(self, meta: PartMeta, sources: list[MediaSource], started: float,
-                                    priority: int = 0) -> EncodedPart:
-        """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
-        encoded for other requests, and encode only the rest, in one job; rows come back in item order.
-
-        The missing items' decode and encode run in the cache's shared computation, detached from this
-        request: if it is cancelled or times out, requests waiting for the same items still get them.
-        """
-        read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality),
-                                     self.adapter.item_layout, self.cache.probably_holds)
-        read_s = time.perf_counter() - started
-        own: list[EncodedPart] = []
-
-        async def compute(positions: list[int]) -> list[CachedItem]:
-            part = await self._encode_missing(meta, [read[position] for position in positions], priority)
-            own.append(part)
-            rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
-            return [CachedItem.compact(item_rows, layout) for item_rows, layout in zip(rows, part.layouts)]
-
-        try:
-            resolved = await self.cache.resolve([item.digest for item in read], compute)
-        except MediaError as exc:  # an item's decode failed, maybe in another request's computation
-            raise EncodeError(400, _relocated(exc, read), meta.req_id) from None
-        except EncodeError as exc:  # the encoder failed; the error may come from another request's computation
-            raise EncodeError(exc.status, exc.message, meta.req_id, exc.headers) from None
-        rows = [result.item.rows for result in resolved]
-        part = own[0] if own else None
-        timings = part.timings if part else Timings()
-        timings = dataclasses.replace(timings, preprocess=timings.preprocess + read_s * 1e3)
-        self.metrics.preprocess.labels(meta.modality, "read").observe(read_s)
-        if part is not None and len(part.layouts) == len(rows):  # every item encoded here, in order: no copy
-            embedding = part.embedding
-        else:
-            embedding = rows[0] if len(rows) == 1 else torch.cat(rows)
-        return EncodedPart(embedding=embedding,
-                           layouts=tuple(result.item.layout for result in resolved),
-                           batch_size=part.batch_size if part else 0, timings=timings,
-                           cached=tuple(result.cached for result in resolved))
-
-    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], priority: int = 0) -> EncodedPart:
-        """Decode the items the cache misses and encode them as one job (deadline: the longest a request may
-        wait, since requests other than `meta`'s may be waiting for it; the cache cancels it when none is)."""
-        started = time.perf_counter()
-
-        async def decode(item: RawItem):
-            try:
-                return await self.media.decode_read(meta.modality, item, self.adapter.item_layout)
-            except MediaError as exc:
-                exc.item_digest, exc.item_location = item.digest, item.source.location
-                raise
-
-        if len(items) == 1:
-            results = [await decode(items[0])]
-        else:
-            results = await asyncio.gather(*(decode(item) for item in items), return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-        decode_s = time.perf_counter() - started
-        self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
-        job = EncodeJob(meta=meta, items=tuple(item.decoded for item in results),
-                        layouts=tuple(item.layout for item in results), raw_items=tuple(item.raw for item in results),
-                        decode_s=decode_s)
-        return await self.scheduler.submit(job, self.clock.now() + self.settings.req_timeout_s, priority)
 
     async def register_receiver(self, payload: Any) -> dict[str, Any]:
         """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""
@@ -392,25 +337,3 @@ class EncoderService:
                             "misses": stats.misses, "inflight_joins": stats.joined, "evictions": stats.evictions,
                             "hit_rate": stats.hit_rate}
         return summary
-
-
-def build_cache(settings: Settings, adapter: EncoderAdapter,
-                limits: MediaLimits) -> tuple[EmbeddingCache, ItemKeys | None]:
-    """The embedding cache (`--cache-bytes`; auto: see `memory.default_cache_bytes`) and its keys: the
-    model's fingerprint plus the decode settings that change an item's rows."""
-    capacity = default_cache_bytes() if settings.cache_bytes == "auto" else int(settings.cache_bytes)
-    cache = EmbeddingCache(capacity)
-    if not cache.enabled:
-        return cache, None
-    decode_settings = {"video": {"fps": limits.video_fps, "max_frames": limits.max_video_frames},
-                       "audio": {"sample_rate": limits.audio_sample_rate}}
-    return cache, ItemKeys(adapter_fingerprint(adapter), decode_settings)
-
-
-def _relocated(error: MediaError, read: list[RawItem]) -> str:
-    """A decode error named with this request's item index (it may come from another request's computation)."""
-    digest = getattr(error, "item_digest", None)
-    for item in read:
-        if digest is not None and item.digest == digest:
-            return f"{item.source.location}{error.location[len(error.item_location):]}: {error.message}"
-    return str(error)

@@ -1,0 +1,120 @@
+"""The request path with the embedding cache: hash each item's bytes, take what the cache holds, share
+what other requests are already encoding, and encode only the rest, in one job.
+
+`CachedEncoding.encode` reads every item's bytes (URLs fetched, inline items un-base64'd) and hashes
+them in the media pool, before any decoding; a hit skips decode, preprocessing and the forward. The
+missing items' decode and encode run in the cache's shared computation, detached from the request that
+started it, so a cancelled or timed-out caller never fails the others waiting for the same items. Rows
+come back in item order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from processors import EncoderAdapter
+
+from .decoding import MediaError, MediaLimits
+from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
+from .media import LoadedItem, MediaLoader, MediaSource, RawItem, each_in_order
+from .memory import default_cache_bytes
+from .metrics import ServerMetrics
+from .records import EncodedPart, EncodeError, PartMeta, Timings
+from .settings import Settings
+
+#: (meta, decoded items, decode seconds, priority) -> the job's rows, through the scheduler.
+SubmitJob = Callable[[PartMeta, list[LoadedItem], float, int], Awaitable[EncodedPart]]
+
+
+class CachedEncoding:
+    """Serves a part's items from the cache where it can, and encodes the rest as one job."""
+
+    def __init__(self, cache: EmbeddingCache, keys: ItemKeys, media: MediaLoader,
+                 describe: Callable[[str, Any], Any], metrics: ServerMetrics, submit: SubmitJob) -> None:
+        self.cache = cache
+        self.item_keys = keys
+        self.media = media
+        self.describe = describe  # the adapter's `item_layout`
+        self.metrics = metrics
+        self.submit = submit
+
+    async def encode(self, meta: PartMeta, sources: list[MediaSource], started: float,
+                     priority: int = 0) -> EncodedPart:
+        """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
+        encoded for other requests, and encode only the rest, in one job; rows come back in item order.
+
+        The missing items' decode and encode run in the cache's shared computation, detached from this
+        request: if it is cancelled or times out, requests waiting for the same items still get them.
+        """
+        read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality),
+                                     self.describe, self.cache.probably_holds)
+        read_s = time.perf_counter() - started
+        own: list[EncodedPart] = []
+
+        async def compute(positions: list[int]) -> list[CachedItem]:
+            part = await self._encode_missing(meta, [read[position] for position in positions], priority)
+            own.append(part)
+            rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
+            return [CachedItem.compact(item_rows, layout) for item_rows, layout in zip(rows, part.layouts)]
+
+        try:
+            resolved = await self.cache.resolve([item.digest for item in read], compute)
+        except MediaError as exc:  # an item's decode failed, maybe in another request's computation
+            raise EncodeError(400, _relocated(exc, read), meta.req_id) from None
+        except EncodeError as exc:  # the encoder failed; the error may come from another request's computation
+            raise EncodeError(exc.status, exc.message, meta.req_id, exc.headers) from None
+        rows = [result.item.rows for result in resolved]
+        part = own[0] if own else None
+        timings = part.timings if part else Timings()
+        timings = dataclasses.replace(timings, preprocess=timings.preprocess + read_s * 1e3)
+        self.metrics.preprocess.labels(meta.modality, "read").observe(read_s)
+        if part is not None and len(part.layouts) == len(rows):  # every item encoded here, in order: no copy
+            embedding = part.embedding
+        else:
+            embedding = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return EncodedPart(embedding=embedding,
+                           layouts=tuple(result.item.layout for result in resolved),
+                           batch_size=part.batch_size if part else 0, timings=timings,
+                           cached=tuple(result.cached for result in resolved))
+
+    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], priority: int = 0) -> EncodedPart:
+        """Decode the items the cache misses and encode them as one job (the cache cancels it when no
+        request waits for it any more)."""
+        started = time.perf_counter()
+
+        async def decode(item: RawItem):
+            try:
+                return await self.media.decode_read(meta.modality, item, self.describe)
+            except MediaError as exc:
+                exc.item_digest, exc.item_location = item.digest, item.source.location
+                raise
+
+        results = await each_in_order([decode(item) for item in items])
+        return await self.submit(meta, results, time.perf_counter() - started, priority)
+
+
+def cache_capacity(settings: Settings) -> int:
+    """`--cache-bytes` in bytes (auto: see `memory.default_cache_bytes`; 0: off)."""
+    return default_cache_bytes() if settings.cache_bytes == "auto" else int(settings.cache_bytes)
+
+
+def item_keys(adapter: EncoderAdapter, limits: MediaLimits) -> ItemKeys:
+    """The cache's keys: the model's fingerprint plus the decode settings that change an item's rows."""
+    decode_settings = {"video": {"fps": limits.video_fps, "max_frames": limits.max_video_frames},
+                       "audio": {"sample_rate": limits.audio_sample_rate}}
+    return ItemKeys(adapter_fingerprint(adapter), decode_settings)
+
+
+def _relocated(error: MediaError, read: list[RawItem]) -> str:
+    """A decode error named with this request's item index (it may come from another request's computation)."""
+    digest = getattr(error, "item_digest", None)
+    for item in read:
+        if digest is not None and item.digest == digest:
+            return f"{item.source.location}{error.location[len(error.item_location):]}: {error.message}"
+    return str(error)
