@@ -24,6 +24,12 @@ def image_b64(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> str:
     return base64.b64encode(png_bytes(width, height, seed, fmt)).decode()
 
 
+def rel_diff(a, b) -> float:
+    """Largest absolute difference relative to the largest magnitude of the reference `b` (arrays or tensors)."""
+    a, b = (np.asarray(x.detach().double() if hasattr(x, "detach") else x, dtype=np.float64) for x in (a, b))
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+
 def decode_embedding(response: dict) -> np.ndarray:
     assert response["dtype"] == "float32"
     raw = base64.b64decode(response["embedding"])

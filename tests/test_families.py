@@ -24,14 +24,9 @@ from processors.checkpoint import CheckpointError
 from processors.registry import load_checkpoint
 
 from .checkpoints import internvl_checkpoint, qwen2_audio_checkpoint, qwen25_vl_checkpoint
-from .helpers import ServerProcess
+from .helpers import ServerProcess, rel_diff
 
 CPU, F32 = torch.device("cpu"), torch.float32
-
-
-def rel_diff(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
 
 
 def random_image(width: int, height: int, seed: int) -> Image.Image:

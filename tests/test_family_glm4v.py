@@ -23,6 +23,7 @@ import torch
 from processors.glm4v import FAMILY
 from processors.registry import family_for_model_type
 
+from .helpers import rel_diff
 from .vlm_fixtures import (
     CLIP_SIZES,
     IMAGE_SIZES,
@@ -36,11 +37,6 @@ from .vlm_fixtures import (
 CPU, F32 = torch.device("cpu"), torch.float32
 MODEL_TYPES = ("glm4v", "glm4v_moe")
 REFERENCE = json.loads((Path(__file__).parent / "data" / "processor_reference.json").read_text())["folders"]
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 @pytest.fixture(scope="module")

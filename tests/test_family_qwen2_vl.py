@@ -17,14 +17,9 @@ from PIL import Image
 from processors.registry import load_checkpoint
 
 from .checkpoints import install_reference_processor, qwen2_vl_checkpoint
-from .helpers import ServerProcess
+from .helpers import ServerProcess, rel_diff
 
 CPU, F32 = torch.device("cpu"), torch.float32
-
-
-def rel_diff(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
 
 
 def random_image(width: int, height: int, seed: int) -> Image.Image:

@@ -21,6 +21,7 @@ import torch
 from processors.qwen3_vl import FAMILY
 from processors.registry import family_for_model_type
 
+from .helpers import rel_diff
 from .vlm_fixtures import (
     CLIP_SIZES,
     IMAGE_SIZES,
@@ -34,11 +35,6 @@ from .vlm_fixtures import (
 CPU, F32 = torch.device("cpu"), torch.float32
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 REFERENCE = json.loads((Path(__file__).parent / "data" / "processor_reference.json").read_text())["folders"]
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from PIL import Image
 
 from processors.qwen_vl import tiny_qwen25_vl
 
-from .helpers import ServerProcess, decode_embedding, image_b64, png_bytes
+from .helpers import ServerProcess, decode_embedding, image_b64, png_bytes, rel_diff
 
 REQUIRED_METRICS = (
     "encoder_requests_total", "encoder_batch_size", "encoder_queue_wait_seconds", "encoder_preprocess_seconds",
@@ -49,10 +49,6 @@ def reference():
 def encode_alone(adapter, images_b64: list[str]) -> np.ndarray:
     images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in images_b64]
     return adapter.forward(adapter.preprocess("image", images)).numpy()
-
-
-def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
 
 
 async def post_many(url: str, bodies: list[dict], timeout: float = 60.0) -> list[httpx.Response]:

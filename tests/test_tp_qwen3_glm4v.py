@@ -13,14 +13,11 @@ import torch
 from processors import glm4v, qwen3_vl
 from processors.sharding import ShardingError
 
+from .helpers import rel_diff
 from .tp_ranks import sharded_rows
 from .vlm_fixtures import sample_clips, sample_images
 
 CPU, F32 = torch.device("cpu"), torch.float32
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 def test_two_ranks_give_the_rows_of_one():
