@@ -32,6 +32,8 @@ from .wire import Header, WireError, decode_header, is_wildcard_host
 
 log = logging.getLogger("encode_server.receiver")
 
+#: Payloads from this size on are received without a copy; below it a copy is cheaper than a frame object.
+_ZERO_COPY_BYTES = 64 << 10
 
 
 class EmbeddingError(RuntimeError):
@@ -149,36 +151,30 @@ class EmbeddingReceiver:
             self._socket.close(0)
             self._stop_pull.close(0)
 
-    def _skip_rest(self) -> int:
-        """Discard the remaining frames of the current message; returns how many there were."""
-        skipped = 0
-        while self._socket.getsockopt(zmq.RCVMORE):
-            self._socket.recv_into(bytearray())
-            skipped += 1
-        return skipped
-
     def _receive_one(self) -> None:
-        """Read one message; the payload lands straight in the tensor it will be returned as."""
-        first = self._socket.recv()
-        if not self._socket.getsockopt(zmq.RCVMORE):
-            log.warning("dropping a message of 1 frame (expected 2)")
+        """Read one message; a large payload becomes the returned tensor without a copy."""
+        frames = self._socket.recv_multipart(copy=False)
+        if len(frames) != 2:
+            log.warning("dropping a message of %d frames (expected 2)", len(frames))
             return
         try:
-            header = decode_header(first)
+            header = decode_header(frames[0].bytes)
         except WireError as exc:
-            self._skip_rest()
             log.warning("dropping a message with a bad header: %s", exc)
+            return
+        payload = frames[1].buffer
+        if len(payload) != header.payload_bytes:
+            log.warning("dropping %s part %d: %d payload bytes, header says %d",
+                        header.req_id, header.part_idx, len(payload), header.payload_bytes)
             return
         tensor = None
         if header.error is None:
-            tensor = torch.empty(header.shape, dtype=DTYPES[header.dtype])
-            received = self._socket.recv_into(raw_bytes(tensor))
-        else:
-            received = self._socket.recv_into(bytearray())
-        if self._skip_rest() or received != header.payload_bytes:
-            log.warning("dropping %s part %d: %d payload bytes (or extra frames), header says %d",
-                        header.req_id, header.part_idx, received, header.payload_bytes)
-            return
+            if len(payload) >= _ZERO_COPY_BYTES:
+                # A view of ZMQ's own message buffer, which the tensor keeps alive.
+                tensor = torch.frombuffer(payload, dtype=DTYPES[header.dtype]).view(header.shape)
+            else:
+                tensor = torch.empty(header.shape, dtype=DTYPES[header.dtype])
+                raw_bytes(tensor)[:] = payload
         self._accept(header, tensor)
 
     def _next_expiry_ms(self) -> int | None:
@@ -221,6 +217,7 @@ class EmbeddingReceiver:
     def get(self, req_id: str, timeout: float | None = None) -> ReceivedEmbedding:
         """Wait for every part of `req_id`; raises `EmbeddingError` or `TimeoutError`."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._evict()  # past its time-to-live is gone, even if the receiving thread has not woken yet
         with self._lock:
             while True:
                 pending = self._pending.get(req_id)

@@ -251,6 +251,24 @@ def test_receiver_returns_bfloat16_and_merges_parts():
         assert torch.equal(got.tensor, torch.cat([values, values]))
 
 
+def test_large_payloads_arrive_whole_and_writable_and_short_ones_are_dropped():
+    """Payloads from 64 KiB on take the no-copy path: the tensor must still be exact, writable, and
+    outlive the message; a payload shorter than its header says is dropped there too."""
+    big = torch.randn(300, 128)  # 150 KiB
+    bf16 = torch.randn(600, 64).to(torch.bfloat16)
+    with EmbeddingReceiver() as receiver:
+        push(receiver.port, [header("cut", shape=(300, 128)), big.numpy().tobytes()[:-4]],
+             [header("big", shape=(300, 128)), big.numpy().tobytes()],
+             [header("bf-big", shape=(600, 64), dtype="bfloat16"), bf16.view(torch.int16).numpy().tobytes()])
+        got = receiver.get("big", timeout=5).tensor
+        got_bf16 = receiver.get("bf-big", timeout=5).tensor
+        with pytest.raises(TimeoutError):
+            receiver.get("cut", timeout=0.1)
+    assert torch.equal(got, big) and torch.equal(got_bf16, bf16) and got_bf16.dtype == torch.bfloat16
+    got.mul_(2)  # writable, and still valid after the receiver closed
+    assert torch.equal(got, big * 2)
+
+
 def test_receiver_async_get_and_timeout():
     with EmbeddingReceiver() as receiver:
         async def scenario():
