@@ -15,8 +15,9 @@ READY_LINE = "encode-server ready:"
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
-    from .housekeeping import Housekeeper, limit_arenas
+    from .housekeeping import Housekeeper, limit_arenas, prefer_huge_pages
 
+    prefer_huge_pages()  # before the first large tensor, and inherited by the ranks and workers started later
     limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
     logging.basicConfig(
         level=settings.log_level.upper(),

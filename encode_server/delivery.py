@@ -79,6 +79,14 @@ class _Registration:
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     parked: dict[int, tuple[Frames, int]] = field(default_factory=dict)  # part_idx -> (frames, bytes)
     failure: Frames | None = None  # the failure message every later registrant gets at once
+    expiry: asyncio.TimerHandle | None = None
+    waiting: int = 0  # deliveries waiting for the receivers to complete
+
+    @property
+    def empty(self) -> bool:
+        """Nobody registered or waiting, nothing parked, no failure to tell: nothing worth remembering."""
+        return (not self.urls and not self.parked and self.failure is None and self.count is None
+                and not self.waiting)
 
 
 class Registrations:
@@ -98,7 +106,7 @@ class Registrations:
         entry = self._by_req.get(req_id)
         if entry is None:
             entry = self._by_req[req_id] = _Registration(count=count, created=time.monotonic())
-            asyncio.get_running_loop().call_later(self.ttl_s, self._expire, req_id, entry)
+            entry.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, req_id, entry)
         return entry
 
     def _expire(self, req_id: str, entry: _Registration) -> None:
@@ -161,7 +169,11 @@ class Registrations:
     async def receivers(self, req_id: str, timeout: float) -> list[str]:
         """The registered receivers once `receive_count` are in; TimeoutError after `timeout`."""
         entry = self._entry(req_id, count=None)
-        await asyncio.wait_for(entry.complete.wait(), timeout)
+        entry.waiting += 1
+        try:
+            await asyncio.wait_for(entry.complete.wait(), timeout)
+        finally:
+            entry.waiting -= 1
         return list(entry.urls)
 
     def park(self, req_id: str, part_idx: int, frames: Frames) -> None:
@@ -175,12 +187,21 @@ class Registrations:
         entry = self._entry(req_id, count=None)
         entry.parked[part_idx] = ([bytes(frame) for frame in frames], nbytes)
         self.parked_bytes += nbytes
-        asyncio.get_running_loop().call_later(self.park_ttl_s, self._drop_parked, entry, part_idx)
+        asyncio.get_running_loop().call_later(self.park_ttl_s, self._drop_parked, req_id, entry, part_idx)
 
-    def _drop_parked(self, entry: _Registration, part_idx: int) -> None:
+    def _drop_parked(self, req_id: str, entry: _Registration, part_idx: int) -> None:
         parked = entry.parked.pop(part_idx, None)
         if parked is not None:
             self.parked_bytes -= parked[1]
+        # An entry made only to park this embedding goes with it, not at the registration TTL: under a
+        # steady flow of requests nobody registers for, those entries would otherwise pile up for minutes.
+        if entry.empty and self._by_req.get(req_id) is entry:
+            del self._by_req[req_id]
+            entry.expiry.cancel()
+
+    def __len__(self) -> int:
+        """How many `req_id`s are remembered (registered, waited for, parked or failed)."""
+        return len(self._by_req)
 
     def parked(self) -> tuple[int, int]:
         """(bytes, embeddings) parked now, for the metrics."""

@@ -68,6 +68,15 @@ def limit_arenas(count: int) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, count))
 
 
+def prefer_huge_pages() -> None:
+    """Let torch's CPU allocator ask for transparent huge pages for buffers of 2 MiB and more, unless the
+    operator set `THP_MEM_ALLOC_ENABLE` (torch reads it at its first large allocation; processes started
+    later inherit it). A fresh 22 MB buffer of camera-image patches then takes 11 page faults instead of
+    about 5,400: a `torch.cat` of two camera images' patches took 56-78 ms with 4 KiB pages on this VM,
+    12-16 ms with huge pages (`/sys/kernel/mm/transparent_hugepage/enabled` must be `madvise` or `always`)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def trim() -> int:
     """Give free heap pages back to the system now; returns the bytes the resident size shrank by."""
     libc = _glibc()

@@ -31,3 +31,20 @@ def test_ray_peer_is_skipped_cleanly_without_ray(tmp_path, monkeypatch):
     main(["--compare", "ray", "--concurrency", "1", "--rates", "", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert "not installed" in results["skipped"]["ray"] and results["points"] == []
+
+
+def test_camera_one_core_pin_is_undone_for_the_modes_after_it():
+    """The in-process camera loop pins itself to one core; the pool and service modes that follow (and the
+    processes they start, which inherit the affinity) must get every core back."""
+    import os
+
+    import pytest
+
+    from encode_server.bench.camera import one_core
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    allowed = os.sched_getaffinity(0)
+    with one_core():
+        assert os.sched_getaffinity(0) == {min(allowed)}
+    assert os.sched_getaffinity(0) == allowed

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -90,13 +91,32 @@ def camera_jpegs(count: int, seed: int = 0) -> list[bytes]:
 
 def run_inprocess(adapter, images: list[bytes], batch_size: int, seconds: float) -> dict:
     """Decode + processor + forward, one batch after another, on one core."""
-    from encode_server.decoding import MediaLimits, decode_bytes
+    from encode_server.decoding import MediaLimits
     from encode_server.settings import Settings
 
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     torch.set_num_threads(1)
     limits = MediaLimits.from_settings(Settings(), adapter)
+    with one_core():
+        return _inprocess_loop(adapter, limits, images, batch_size, seconds)
+
+
+@contextlib.contextmanager
+def one_core():
+    """Pin this process to its first allowed core for the block, then give the others back: the modes
+    that follow (and the processes they start, which inherit the affinity) must have every core."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _inprocess_loop(adapter, limits, images: list[bytes], batch_size: int, seconds: float) -> dict:
+    from encode_server.decoding import decode_bytes
 
     def one_batch(batch: list[bytes]) -> None:
         decoded = [decode_bytes("image", data, limits, "x") for data in batch]
