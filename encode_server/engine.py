@@ -120,10 +120,13 @@ class EncoderEngine:
             failure = next((item for item in mine if isinstance(item, ItemFailure)), None)
             if failure is not None:
                 results[index] = EncodeError(failure.status, failure.message, job.req_id)
+                self.preprocessor.release(mine)  # the job's other items are not used
             else:
                 kept.append(index)
                 batches.extend(mine)
         if kept:
+            # The forward's thread gives the items' shared memory back once the forward has read it,
+            # even if this coroutine is cancelled meanwhile.
             (layouts, rows), forward_s = await loop.run_in_executor(
                 self._forward_pool, _timed, self._collate_and_forward, batches)
             parts = self._parts(modality, [jobs[index] for index in kept], layouts, rows, preprocess_s, forward_s,
@@ -133,8 +136,11 @@ class EncoderEngine:
         return results  # type: ignore[return-value]
 
     def _collate_and_forward(self, batches: list[PreparedBatch]) -> tuple[list[ItemLayout], torch.Tensor]:
-        prepared = self.adapter.collate(batches)
-        return prepared.layouts, self.adapter.forward(prepared)
+        try:
+            prepared = self.adapter.collate(batches)
+            return prepared.layouts, self.adapter.forward(prepared)
+        finally:
+            self.preprocessor.release(batches)
 
     def _parts(self, modality: str, jobs: Sequence[EncodeJob], layouts: Sequence[ItemLayout], rows: torch.Tensor,
                preprocess_s: float, forward_s: float, where: str) -> list[EncodedPart]:

@@ -8,9 +8,10 @@ family's `preprocess` on that item alone. `collate` then fuses a batch's per-ite
 into what one `preprocess` over the batch would give.
 
 Pixels never go through pickle: the worker (`preprocess_worker.py`) writes the item's input tensors
-into one POSIX shared-memory block (`shared_tensors.py`) and sends only its description and the
-layouts; the pool maps it and hands out views (the forward reads them directly, or `collate` copies
-them once into the batch's tensors).
+into POSIX shared memory (`shared_tensors.py`: one of its reusable slots, else a one-off block) and
+sends only their description and the layouts; the pool maps it and hands out views (the forward reads
+them directly, or `collate` copies them once into the batch's tensors). An item in a slot is a
+`PooledItem`: `release` gives the slot back to its worker once the forward has read it.
 
 One background thread, the conductor, owns the workers: it gives each idle worker the next task (one
 task per worker at a time, so an item goes to whichever worker is free first and a crash is
@@ -26,6 +27,8 @@ pool gives up and fails what it holds).
     pool.start()                                   # blocks until every worker is ready
     results = await pool.prepare("image", [jpeg_bytes, png_bytes])   # PreparedBatch | ItemFailure
     batch = adapter.collate([r for r in results if isinstance(r, PreparedBatch)])
+    rows = adapter.forward(batch)
+    pool.release(results)                          # their shared memory is the workers' again
     pool.close()
 """
 
@@ -51,7 +54,7 @@ from processors import EncoderAdapter, PreparedBatch
 
 from .decoding import MediaLimits
 from .preprocess_worker import worker_main
-from .shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
+from .shared_tensors import SHM_DIR, SharedTensors, SlotReader, import_tensors, remove_stale_blocks
 
 log = logging.getLogger("encode_server.preprocess_pool")
 
@@ -83,6 +86,15 @@ class ItemFailure:
 
 class PoolError(RuntimeError):
     """The pool could not start, or is closed."""
+
+
+@dataclass
+class PooledItem(PreparedBatch):
+    """An item whose tensors are views of one of its worker's reusable shared-memory slots: hand it to
+    `PreprocessPool.release` once nothing reads them any more (after the forward), and the worker
+    writes later items there."""
+
+    lease: tuple[int, int, int] | None = None  # (worker index, worker generation, slot id)
 
 
 # --- the pool ----------------------------------------------------------------------------------------
@@ -125,7 +137,10 @@ class _Worker:
     busy_s: float = 0.0  # wall seconds spent on items, as the worker measured them
     cpu_s: float = 0.0  # CPU seconds spent on items
     items: int = 0
+    slot_items: int = 0  # items that came back in a reusable slot (the others: one-off blocks or the pipe)
     generation: int = 0
+    slots: SlotReader = field(default_factory=SlotReader)  # this generation's slots, mapped here
+    released: list[int] = field(default_factory=list)  # slots to give back with its next task
     pending_restart_at: float | None = None
     gave_up: bool = False  # failed to start `max_start_failures` times in a row: never restarted
     exit_reasons: list[str] = field(default_factory=list)
@@ -152,6 +167,7 @@ class PreprocessPool:
         self._workers = [_Worker(index) for index in range(workers)]
         self._inbox: deque[tuple[_Batch, list[_Task]]] = deque()
         self._inbox_lock = threading.Lock()
+        self._release_lock = threading.Lock()  # `release` runs in the forward's thread
         self._stopped = False  # set once, by the conductor as it exits; submit() then fails at once
         self._queue: deque[_Task] = deque()
         self._task_ids = itertools.count()
@@ -200,13 +216,35 @@ class PreprocessPool:
 
     async def prepare(self, modality: str, items: Sequence[bytes | list[bytes]],
                       locations: Sequence[str] | None = None) -> list[PreparedBatch | ItemFailure]:
-        """`submit`, awaited; cancelling it drops the items not yet started."""
-        return await asyncio.wrap_future(self.submit(modality, items, locations))
+        """`submit`, awaited; cancelling it drops the items not yet started (and releases those done)."""
+        future = self.submit(modality, items, locations)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(future.result())
+            raise
+
+    def release(self, results: Sequence[PreparedBatch | ItemFailure]) -> None:
+        """Give the slots of these items back to their workers. Call it once nothing reads their tensors
+        (after the forward, or at once for items not used); calling it twice is harmless. An item held
+        forever only costs its worker one slot: it falls back to one-off blocks when it has none."""
+        with self._release_lock:
+            for result in results:
+                lease = getattr(result, "lease", None)
+                if lease is None:
+                    continue
+                result.lease = None
+                index, generation, slot = lease
+                worker = self._workers[index]
+                if worker.generation == generation:  # a restarted worker has new slots
+                    worker.released.append(slot)
 
     def stats(self) -> list[dict[str, float]]:
-        """Per worker: items done, busy and CPU seconds, their fraction of the pool's lifetime, restarts."""
+        """Per worker: items done (and how many came back in a reusable slot), busy and CPU seconds, their
+        fraction of the pool's lifetime, restarts."""
         wall = max(1e-9, time.perf_counter() - self._started_at)
-        return [{"worker": w.index, "items": w.items, "busy_s": w.busy_s, "cpu_s": w.cpu_s,
+        return [{"worker": w.index, "items": w.items, "slot_items": w.slot_items, "busy_s": w.busy_s, "cpu_s": w.cpu_s,
                  "busy_fraction": w.busy_s / wall, "cpu_fraction": w.cpu_s / wall, "restarts": w.restarts}
                 for w in self._workers]
 
@@ -252,7 +290,10 @@ class PreprocessPool:
     def _spawn(self, worker: _Worker) -> None:
         task_receiver, task_sender = self._context.Pipe(duplex=False)
         result_receiver, result_sender = self._context.Pipe(duplex=False)
-        worker.generation += 1
+        with self._release_lock:
+            worker.generation += 1
+            worker.released = []
+        worker.slots = SlotReader()
         process = self._context.Process(
             target=worker_main, name=f"preprocess-worker-{worker.index}", daemon=True,
             args=(worker.index, self._copy, self.limits, task_receiver, result_sender,
@@ -314,8 +355,10 @@ class PreprocessPool:
             task = self._next_task()
             if task is None:
                 return
+            with self._release_lock:
+                released, worker.released = worker.released, []
             try:
-                worker.tasks.send((task.task_id, task.batch.modality, task.raw, task.location))
+                worker.tasks.send((task.task_id, task.batch.modality, task.raw, task.location, released))
             except (BrokenPipeError, OSError):
                 self._queue.appendleft(task)  # its sentinel fires next; the item goes to another worker
                 continue
@@ -356,10 +399,19 @@ class PreprocessPool:
         if kind == "done":
             inputs, layouts, extras = payload
             try:
-                tensors = import_tensors(inputs) if isinstance(inputs, SharedTensors) else inputs
-                result: PreparedBatch | ItemFailure = PreparedBatch(task.batch.modality, tensors, layouts, extras)
+                result: PreparedBatch | ItemFailure
+                if isinstance(inputs, SharedTensors) and inputs.slot is not None:
+                    result = PooledItem(task.batch.modality, worker.slots.read(inputs), layouts, extras,
+                                        lease=(worker.index, worker.generation, inputs.slot))
+                    worker.slot_items += 1
+                else:
+                    tensors = import_tensors(inputs) if isinstance(inputs, SharedTensors) else inputs
+                    result = PreparedBatch(task.batch.modality, tensors, layouts, extras)
             except OSError as exc:
                 result = ItemFailure(500, f"{task.location}: could not map the preprocessed tensors: {exc}")
+                if isinstance(inputs, SharedTensors) and inputs.slot is not None:
+                    with self._release_lock:
+                        worker.released.append(inputs.slot)
             worker.busy_s += timings[0]
             worker.cpu_s += timings[1]
             worker.items += 1
@@ -372,6 +424,7 @@ class PreprocessPool:
     def _settle(self, task: _Task, result: PreparedBatch | ItemFailure) -> None:
         batch = task.batch
         if batch.results[task.index] is not None:
+            self.release([result])
             return
         batch.results[task.index] = result
         batch.remaining -= 1
@@ -380,6 +433,8 @@ class PreprocessPool:
                 batch.future.set_result(batch.results)
             except Exception:  # cancelled by its caller meanwhile
                 pass
+        if batch.future.cancelled():  # nobody will read these: their slots go back now
+            self.release([r for r in batch.results if r is not None])
 
     def _worker_died(self, worker: _Worker) -> None:
         while worker.results.poll(0) and self._receive(worker):  # answers sent before it died still count

@@ -3,7 +3,9 @@
 A worker holds the adapter's `preprocessing_copy()` (no model) and one torch thread. For each task (one
 item's raw bytes and modality) it decodes the item with the functions and limits of
 `encode_server/media.py`, checks its layout, runs the family's `preprocess` on it alone, and sends the
-tensors back through shared memory (`shared_tensors.py`): never the pixels through the pipe.
+tensors back through shared memory (`shared_tensors.py`): never the pixels through the pipe. It keeps
+a few reusable slots for that (`SlotWriter`); a task carries the slots the pool has released since the
+worker's last task, and an item that finds no free slot goes in a one-off block.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from processors import EncoderAdapter, PreparedBatch
 
 from .decoding import MediaLimits
-from .shared_tensors import export_tensors
+from .shared_tensors import SlotWriter, export_tensors
 
 log = logging.getLogger("encode_server.preprocess_worker")
 
@@ -67,6 +69,7 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
         return
     results.send(("ready", os.getpid(), "", None))
     inline_fallback = False
+    slots = SlotWriter(block_prefix)
     for sequence in itertools.count():
         try:
             task = tasks.recv()
@@ -74,13 +77,15 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
             return
         if task is None:
             return
-        task_id, modality, raw, location = task
+        task_id, modality, raw, location, released = task
+        slots.release(released)
         started, cpu_started = time.perf_counter(), time.process_time()
         try:
             prepared = prepare_item(adapter, limits, modality, raw, location)
             inputs: Any
             try:
-                inputs = export_tensors(prepared.inputs, Path(f"{block_prefix}-{sequence}"))
+                inputs = (slots.write(prepared.inputs)
+                          or export_tensors(prepared.inputs, Path(f"{block_prefix}-{sequence}")))
             except OSError as exc:  # /dev/shm full or missing: correct but slower, through the pipe
                 if not inline_fallback:
                     log.warning("shared memory unavailable (%s): sending tensors through the pipe", exc)

@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from PIL import Image
 from encode_server.decoding import MediaLimits, decode_bytes, decode_frames
 from encode_server.preprocess_pool import ItemFailure, PreprocessPool, default_preprocess_workers
 from encode_server.settings import Settings
-from encode_server.shared_tensors import SHM_DIR, export_tensors, import_tensors
+from encode_server.shared_tensors import SHM_DIR, SlotReader, SlotWriter, export_tensors, import_tensors
 from processors import EncoderAdapter, PreparedBatch, load_adapter
 
 CRASH_WIDTH, HANG_WIDTH = 77, 78
@@ -124,6 +125,58 @@ def test_tensors_travel_through_shared_memory_and_the_block_is_unlinked(tmp_path
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
     assert import_tensors(export_tensors({"e": torch.zeros(0)}, path))["e"].shape == (0,)
     assert not path.exists()
+
+
+def test_a_slot_is_reused_once_released_and_never_overwritten_before():
+    prefix = str(SHM_DIR / f"encode-preprocess-test-{os.getpid()}-slots")
+    writer, reader = SlotWriter(prefix, max_slots=2, max_bytes=8 << 20), SlotReader()
+    try:
+        first = {"x": torch.randn(100, 50), "grid": torch.tensor([[1, 2, 3]])}
+        shared = writer.write(first)
+        assert shared.slot is not None and shared.size % (1 << 20) == 0
+        held = reader.read(shared)
+        assert not Path(shared.path).exists()  # mapped once, name gone
+        second = writer.write({"x": torch.randn(100, 50), "grid": torch.tensor([[4, 5, 6]])})
+        assert second.slot != shared.slot  # the first slot is busy: a second one
+        assert writer.write({"x": torch.randn(10, 5)}) is None  # both busy, no third: a one-off block instead
+        assert torch.equal(held["x"], first["x"]) and torch.equal(held["grid"], first["grid"])
+        writer.release([shared.slot])
+        third = {"x": torch.randn(80, 50), "grid": torch.tensor([[7, 8, 9]])}
+        again = writer.write(third)
+        assert (again.slot, again.path) == (shared.slot, shared.path)  # the same slot, the same mapping
+        got = reader.read(again)
+        assert torch.equal(got["x"], third["x"]) and torch.equal(got["grid"], third["grid"])
+        writer.release([shared.slot, second.slot])
+        large = torch.randn(1000, 1000)
+        bigger = writer.write({"x": large})  # 4 MB: a free slot too small is replaced by a bigger one
+        assert bigger is not None and bigger.path not in (shared.path, second.path)
+        assert torch.equal(reader.read(bigger)["x"], large)
+        assert torch.equal(got["x"], third["x"])  # views of a replaced slot's mapping stay valid
+        assert writer.write({"x": torch.randn(3000, 1000)}) is None  # 12 MB: over the byte budget
+        assert writer.held_bytes() <= 8 << 20
+    finally:
+        writer.close()
+    assert not list(SHM_DIR.glob(Path(prefix).name + "*"))
+
+
+def test_pool_reuses_released_slots_and_keeps_held_items_intact(adapters):
+    qwen = adapters["tiny-qwen2.5-vl"]
+    pool = PreprocessPool(qwen, LIMITS, workers=1)
+    pool.start()
+    try:
+        held_images = [encoded(140, 84, 90), encoded(56, 56, 91, "JPEG")]
+        held = prepared_only(pool.submit("image", held_images).result(timeout=120))  # never released
+        for round_ in range(6):
+            images = [encoded(56 + 28 * ((round_ + i) % 4), 56 + 28 * i, 100 + 10 * round_ + i) for i in range(3)]
+            results = prepared_only(pool.submit("image", images).result(timeout=120))
+            assert_same(reference(qwen, "image", images), qwen.collate(results))
+            pool.release(results)
+            pool.release(results)  # twice is harmless
+        assert_same(reference(qwen, "image", held_images), qwen.collate(held))  # not overwritten meanwhile
+        stats = pool.stats()[0]
+        assert stats["items"] == 20 and stats["slot_items"] == 20  # every item in a slot, none one-off
+    finally:
+        pool.close()
 
 
 def test_blocks_of_a_dead_server_are_removed():

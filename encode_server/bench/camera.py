@@ -148,7 +148,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
     pool.start()
     start_s = time.perf_counter() - started_pool
     try:
-        pool.submit("image", images[:workers]).result()  # warm-up
+        pool.release(pool.submit("image", images[:workers]).result())  # warm-up
         before = pool.stats()
         cursor = 0
 
@@ -168,6 +168,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
                 raise RuntimeError(f"items failed: {[r for r in results if not isinstance(r, PreparedBatch)]}")
             forward_started = time.perf_counter()
             adapter.forward(adapter.collate(prepared))
+            pool.release(prepared)
             forward_s += time.perf_counter() - forward_started
             done += len(prepared)
         wall = time.perf_counter() - started
