@@ -178,6 +178,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
     finally:
         pool.close()
     utilisation = [{"worker": a["worker"], "items": a["items"] - b["items"],
+                    "slot_items": a["slot_items"] - b["slot_items"],
                     "cpu_fraction": (a["cpu_s"] - b["cpu_s"]) / wall,
                     "busy_fraction": (a["busy_s"] - b["busy_s"]) / wall} for a, b in zip(after, before)]
     workers_cpu_s = sum(worker["cpu_fraction"] for worker in utilisation) * wall
@@ -193,7 +194,8 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
     from .load import closed_loop
 
     payloads = [base64.b64encode(data).decode() for data in images]
-    flags = ["--model", str(camera_checkpoint()), "--preprocess-workers", str(workers), *extra]
+    # The images repeat round robin: the embedding cache would answer all but the first eight.
+    flags = ["--model", str(camera_checkpoint()), "--preprocess-workers", str(workers), "--cache-bytes", "0", *extra]
     with ServerProcess(*flags, startup_timeout=600) as server:
         result = asyncio.run(closed_loop(server.url, f"service-w{workers}", concurrency, requests, "image", payloads))
     return {"mode": "service", "workers": workers, **result.as_dict()}
