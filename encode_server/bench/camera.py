@@ -7,12 +7,13 @@ spreads over the cores. Three closed loops over the same images, batches of `--b
 - `inprocess`: decode + processor + forward in this one process on one core (affinity set to one
   CPU, one torch thread): the ceiling of the old design, where one thread preprocessed every batch;
 - `pool`: a `PreprocessPool` of `--workers` processes decodes and preprocesses (each item on its own),
-  `collate` + forward in this process, the next batch preprocessing while this one runs the forward;
+  `collate` + forward in this process, at most two batches between submission and the end of their
+  forward as in the server (the next batch preprocessing while this one runs the forward);
   prints each worker's utilisation (CPU seconds and busy seconds over the loop's wall time);
 - `service`: the HTTP server on all cores (`--preprocess-workers`), closed loop at `--concurrency`.
 
     python -m encode_server.bench.camera --mode inprocess,pool --seconds 20
-    flock /work/signals/bench.lock python -m encode_server.bench.camera --mode pool --workers 2
+    THP_MEM_ALLOC_ENABLE=1 python -m encode_server.bench.camera --mode inprocess,pool --workers 2
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -159,10 +161,11 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
             return pool.submit("image", batch)
 
         done, forward_s, started, cpu_started = 0, 0.0, time.perf_counter(), time.process_time()
-        pending = next_batch()
+        # As the server's scheduler: at most two batches between dispatch and the end of their forward.
+        # While batch k runs its forward, k+1 is in the pool; once k's forward ends, k+2 joins k+1 there.
+        pending = deque([next_batch(), next_batch()])
         while time.perf_counter() - started < seconds:
-            results = pending.result(timeout=300)
-            pending = next_batch()
+            results = pending.popleft().result(timeout=300)
             prepared = [r for r in results if isinstance(r, PreparedBatch)]
             if len(prepared) != len(results):
                 raise RuntimeError(f"items failed: {[r for r in results if not isinstance(r, PreparedBatch)]}")
@@ -171,9 +174,11 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
             pool.release(prepared)
             forward_s += time.perf_counter() - forward_started
             done += len(prepared)
+            pending.append(next_batch())
         wall = time.perf_counter() - started
         main_cpu_s = time.process_time() - cpu_started
-        pending.result(timeout=300)
+        for future in pending:
+            pool.release(future.result(timeout=300))
         after = pool.stats()
     finally:
         pool.close()
