@@ -179,6 +179,38 @@ def test_pool_reuses_released_slots_and_keeps_held_items_intact(adapters):
         pool.close()
 
 
+def test_items_of_cancelled_or_failed_requests_give_their_slots_back(adapters):
+    """Nobody reads the items of a cancelled batch, nor the good items of a request with a bad one: their
+    slots must go back, or a worker would run out of slots (8) and fall back to one-off blocks for good."""
+    qwen = adapters["tiny-qwen2.5-vl"]
+    pool = PreprocessPool(qwen, LIMITS, workers=1)
+    pool.start()
+    try:
+        async def cancelled(index: int) -> None:
+            items = [encoded(640, 480, 200 + index, "JPEG"), encoded(112, 56, 300 + index)]
+            try:  # cancelled while an item is with the worker, or before; if it finished first, used
+                pool.release(await asyncio.wait_for(pool.prepare("image", items), 0.005 * index))
+            except asyncio.TimeoutError:
+                pass
+
+        async def good_and_bad(index: int) -> None:
+            results = await pool.prepare("image", [encoded(56, 84, 400 + index), b"not an image"])
+            assert isinstance(results[1], ItemFailure)
+            pool.release(results)  # what the engine does with a job that failed
+
+        for index in range(10):
+            asyncio.run(cancelled(index))
+            asyncio.run(good_and_bad(index))
+        before = pool.stats()[0]
+        images = [encoded(84, 56, 500 + i) for i in range(3)]
+        results = prepared_only(pool.submit("image", images).result(timeout=120))
+        assert_same(reference(qwen, "image", images), qwen.collate(results))
+        after = pool.stats()[0]
+        assert after["slot_items"] - before["slot_items"] == 3  # slots were free: none leaked
+    finally:
+        pool.close()
+
+
 def test_blocks_of_a_dead_server_are_removed():
     from encode_server.shared_tensors import remove_stale_blocks
 
