@@ -13,9 +13,10 @@ sends only their description and the layouts; the pool maps it and hands out vie
 them directly, or `collate` copies them once into the batch's tensors). An item in a slot is a
 `PooledItem`: `release` gives the slot back to its worker once the forward has read it.
 
-One background thread, the conductor, owns the workers: it gives each idle worker the next task (one
-task per worker at a time, so an item goes to whichever worker is free first and a crash is
-attributed to exactly one item), receives results, and watches the processes' sentinels. An item the
+One background thread, the conductor, owns the workers (a `preprocess_process.WorkerHandle` each:
+starting, reaping and stopping its process): it gives each idle worker the next task (one task per
+worker at a time, so an item goes to whichever worker is free first and a crash is attributed to
+exactly one item), receives results, and watches the processes' sentinels. An item the
 worker cannot use fails alone (`ItemFailure`: 400 with the media or processor's message). A worker
 that dies is restarted, and the item it held is tried once more on the next free worker; a second
 crash fails that item with a 500 naming the signal. A worker holding one item longer than
@@ -40,24 +41,22 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from processors import EncoderAdapter, PreparedBatch
 
 from .decoding import MediaLimits
-from .preprocess_worker import worker_main
-from .shared_tensors import SHM_DIR, SharedTensors, SlotReader, import_tensors, remove_stale_blocks
+from .preprocess_process import WorkerHandle
+from .shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
 
 log = logging.getLogger("encode_server.preprocess_pool")
-
 
 
 def default_preprocess_workers(cores: int | None = None) -> int:
@@ -121,31 +120,6 @@ class _Task:
     task_id: int = 0
 
 
-@dataclass
-class _Worker:
-    """The conductor's record of one worker slot (the process in it changes on restarts)."""
-
-    index: int
-    process: Any = None
-    tasks: Any = None  # main's sending end
-    results: Any = None  # main's receiving end
-    ready: bool = False
-    task: _Task | None = None
-    task_started: float = 0.0
-    start_failures: int = 0
-    restarts: int = 0
-    busy_s: float = 0.0  # wall seconds spent on items, as the worker measured them
-    cpu_s: float = 0.0  # CPU seconds spent on items
-    items: int = 0
-    slot_items: int = 0  # items that came back in a reusable slot (the others: one-off blocks or the pipe)
-    generation: int = 0
-    slots: SlotReader = field(default_factory=SlotReader)  # this generation's slots, mapped here
-    released: list[int] = field(default_factory=list)  # slots to give back with its next task
-    pending_restart_at: float | None = None
-    gave_up: bool = False  # failed to start `max_start_failures` times in a row: never restarted
-    exit_reasons: list[str] = field(default_factory=list)
-
-
 class PreprocessPool:
     """`workers` spawned processes that decode and preprocess items; see the module docstring."""
 
@@ -164,7 +138,7 @@ class PreprocessPool:
         self._context = multiprocessing.get_context("spawn")
         self._copy = adapter.preprocessing_copy()
         self._block_prefix = str(SHM_DIR / f"encode-preprocess-{os.getpid()}-{id(self):x}")
-        self._workers = [_Worker(index) for index in range(workers)]
+        self._workers = [WorkerHandle(index) for index in range(workers)]
         self._inbox: deque[tuple[_Batch, list[_Task]]] = deque()
         self._inbox_lock = threading.Lock()
         self._release_lock = threading.Lock()  # `release` runs in the forward's thread
@@ -244,9 +218,7 @@ class PreprocessPool:
         """Per worker: items done (and how many came back in a reusable slot), busy and CPU seconds, their
         fraction of the pool's lifetime, restarts."""
         wall = max(1e-9, time.perf_counter() - self._started_at)
-        return [{"worker": w.index, "items": w.items, "slot_items": w.slot_items, "busy_s": w.busy_s, "cpu_s": w.cpu_s,
-                 "busy_fraction": w.busy_s / wall, "cpu_fraction": w.cpu_s / wall, "restarts": w.restarts}
-                for w in self._workers]
+        return [worker.stats(wall) for worker in self._workers]
 
     def in_flight(self) -> dict[int, str]:
         """A snapshot: the item (its location) that each busy worker holds, by process id."""
@@ -287,22 +259,11 @@ class PreprocessPool:
         except (BlockingIOError, OSError):  # already awake (pipe full) or closing
             pass
 
-    def _spawn(self, worker: _Worker) -> None:
-        task_receiver, task_sender = self._context.Pipe(duplex=False)
-        result_receiver, result_sender = self._context.Pipe(duplex=False)
-        with self._release_lock:
+    def _spawn(self, worker: WorkerHandle) -> None:
+        with self._release_lock:  # `release` must not hand the new process the old one's slots
             worker.generation += 1
             worker.released = []
-        worker.slots = SlotReader()
-        process = self._context.Process(
-            target=worker_main, name=f"preprocess-worker-{worker.index}", daemon=True,
-            args=(worker.index, self._copy, self.limits, task_receiver, result_sender,
-                  f"{self._block_prefix}-w{worker.index}g{worker.generation}", self.threads_per_worker))
-        process.start()
-        task_receiver.close()  # the worker's ends: once closed here, its death reads as EOF
-        result_sender.close()
-        worker.process, worker.tasks, worker.results = process, task_sender, result_receiver
-        worker.ready, worker.task, worker.pending_restart_at = False, None, None
+        worker.start(self._context, self._copy, self.limits, self._block_prefix, self.threads_per_worker)
 
     def _conduct(self) -> None:
         try:
@@ -377,7 +338,7 @@ class PreprocessPool:
         deadlines += [w.pending_restart_at for w in self._workers if w.pending_restart_at is not None]
         return max(0.0, min(deadlines) - now) + 0.001 if deadlines else 1.0
 
-    def _receive(self, worker: _Worker) -> bool:
+    def _receive(self, worker: WorkerHandle) -> bool:
         """Take one message from a worker; False at the end of its pipe (the process is gone)."""
         try:
             kind, task_id, payload, timings = worker.results.recv()
@@ -436,26 +397,12 @@ class PreprocessPool:
         if batch.future.cancelled():  # nobody will read these: their slots go back now
             self.release([r for r in batch.results if r is not None])
 
-    def _worker_died(self, worker: _Worker) -> None:
+    def _worker_died(self, worker: WorkerHandle) -> None:
         while worker.results.poll(0) and self._receive(worker):  # answers sent before it died still count
             pass
-        process = worker.process
-        process.join(10.0)  # it has exited or is exiting (its sentinel or pipe said so): reap it for the reason
-        code = process.exitcode
-        if code is None:
-            reason = "stopped answering (its pipe closed)"
-        elif code < 0:
-            reason = f"killed by {signal.Signals(-code).name}"
-        else:
-            reason = f"exited with code {code}"
-
-        for path in SHM_DIR.glob(Path(f"{self._block_prefix}-w{worker.index}g{worker.generation}-*").name):
-            path.unlink(missing_ok=True)  # blocks it wrote but never announced
-        for conn in (worker.tasks, worker.results):
-            conn.close()
-        worker.process = None
-        was_ready, task, worker.task = worker.ready, worker.task, None
-        worker.ready = False
+        process, was_ready = worker.process, worker.ready
+        reason = worker.reap(self._block_prefix)
+        task, worker.task = worker.task, None
         if self._closing:
             return
         if task is not None:
@@ -521,24 +468,9 @@ class PreprocessPool:
 
     def _stop_workers(self, timeout_s: float) -> None:
         for worker in self._workers:
-            if worker.process is not None and worker.process.is_alive():
-                try:
-                    worker.tasks.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
+            worker.ask_to_stop()
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
-            if worker.process is None:
-                continue
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(5.0)
-            for conn in (worker.tasks, worker.results):
-                try:
-                    conn.close()
-                except OSError:
-                    pass
-            worker.process = None
+            worker.stop(deadline)
         for path in SHM_DIR.glob(Path(f"{self._block_prefix}-*").name):
             path.unlink(missing_ok=True)
