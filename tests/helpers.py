@@ -7,6 +7,7 @@ import io
 
 import httpx
 import numpy as np
+import zmq
 from PIL import Image
 
 from encode_server.bench.launcher import ROOT, free_port  # noqa: F401 (re-exported for the tests)
@@ -22,6 +23,15 @@ def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes
 
 def image_b64(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> str:
     return base64.b64encode(png_bytes(width, height, seed, fmt)).decode()
+
+
+def push(port: int, *messages: list[bytes]) -> None:
+    """Send multipart messages to a receiver on this host's loopback with a plain pyzmq PUSH socket."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for frames in messages:
+        sock.send_multipart(frames)
+    sock.close(linger=2000)
 
 
 def rel_diff(a, b) -> float:

@@ -21,7 +21,7 @@ import zmq
 from encode_server.receiver import EmbeddingError, EmbeddingReceiver
 from encode_server.wire import HEADER_KEYS, Header
 
-from .helpers import ROOT, ServerProcess, free_port, image_b64
+from .helpers import ROOT, ServerProcess, free_port, image_b64, push
 
 SEND_TIMEOUT = 1.5
 
@@ -226,14 +226,6 @@ def test_dead_destination_is_502_and_does_not_hold_up_others(server):
 
 
 # --- the receiver library on its own ---------------------------------------------------------
-
-def push(port: int, *messages: list[bytes]) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    for frames in messages:
-        sock.send_multipart(frames)
-    sock.close(linger=2000)
-
 
 def header(req_id: str, shape=(2, 3), dtype="float32", part_idx=0, num_parts=1, error=None) -> bytes:
     return Header(req_id=req_id, part_idx=part_idx, num_parts=num_parts, modality="image", dtype=dtype,

@@ -11,23 +11,16 @@ import json
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from encode_server.receiver import EmbeddingError, EmbeddingReceiver
 from encode_server.wire import Header, WireError, decode_header
+
+from .helpers import push
 
 
 def header(req_id: str, shape: tuple[int, int], deepstack: int = 0, part_idx: int = 0, num_parts: int = 1) -> Header:
     return Header(req_id=req_id, part_idx=part_idx, num_parts=num_parts, modality="image", dtype="float32",
                   shape=shape, items=[{"tokens": shape[0], "grid_thw": [1, 2, 2 * shape[0]]}], deepstack=deepstack)
-
-
-def push(port: int, *messages: list[bytes]) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    for frames in messages:
-        sock.send_multipart(frames)
-    sock.close(linger=2000)
 
 
 def rows(tokens: int, hidden: int, deepstack: int, start: float = 0.0) -> np.ndarray:
