@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import io
 
@@ -34,18 +35,26 @@ def adapter():
     return load_adapter("tiny-qwen2.5-vl", "cpu", "float32")
 
 
+@contextlib.asynccontextmanager
+async def started_service(settings: Settings, adapter):
+    """A started service on a fake clock, and the clock; the first health probe has already run."""
+    clock = FakeClock()
+    service = EncoderService(settings, adapter, clock=clock)
+    await service.start()
+    try:
+        for _ in range(200):  # the first probe runs through the real encoder threads
+            if not service.health.running:
+                break
+            await asyncio.sleep(0.01)
+        yield service, clock
+    finally:
+        await service.stop()
+
+
 @pytest.fixture
 async def holding(adapter):
-    """A started service on a fake clock; the first health probe has already run."""
-    clock = FakeClock()
-    service = EncoderService(HOLDING, adapter, clock=clock)
-    await service.start()
-    for _ in range(200):  # the first probe runs through the real encoder threads
-        if not service.health.running:
-            break
-        await asyncio.sleep(0.01)
-    yield service, clock
-    await service.stop()
+    async with started_service(HOLDING, adapter) as started:
+        yield started
 
 
 def body(req_id: str, **extra) -> dict:

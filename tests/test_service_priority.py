@@ -9,12 +9,11 @@ import asyncio
 import pytest
 
 from encode_server.records import EncodeError
-from encode_server.service import EncoderService, batch_policy
+from encode_server.service import batch_policy
 from encode_server.settings import Settings, load_settings
 from processors import load_adapter
 
-from .fakes import FakeClock
-from .test_service import HOLDING, body, until
+from .test_service import HOLDING, body, started_service, until
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +23,9 @@ def adapter():
 
 @pytest.fixture
 async def holding(adapter):
-    clock = FakeClock()
-    service = EncoderService(Settings(**{**HOLDING.public_dict(), "api_key": None, "max_priority": 3}), adapter,
-                             clock=clock)
-    await service.start()
-    for _ in range(200):
-        if not service.health.running:
-            break
-        await asyncio.sleep(0.01)
-    yield service, clock
-    await service.stop()
+    settings = Settings(**{**HOLDING.public_dict(), "api_key": None, "max_priority": 3})
+    async with started_service(settings, adapter) as started:
+        yield started
 
 
 @pytest.mark.parametrize("priority, message", [
