@@ -32,7 +32,9 @@ from .wire import Header, WireError, decode_header, is_wildcard_host
 
 log = logging.getLogger("encode_server.receiver")
 
-#: Payloads from this size on are received without a copy; below it a copy is cheaper than a frame object.
+#: Payloads from this size on get a buffer of their own from ZMQ (larger than its 8 KiB receive batch, so
+#: malloc-aligned) and become the returned tensor without a copy; smaller ones may sit at any offset of
+#: ZMQ's shared receive buffer, so they are copied into a fresh (aligned) tensor.
 _ZERO_COPY_BYTES = 64 << 10
 
 
