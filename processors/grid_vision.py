@@ -37,9 +37,10 @@ class GridVisionAdapter(EncoderAdapter):
 
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype) -> None:
+        from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
-        self.image_processor = image_processor
+        self.image_processor = accelerated(image_processor)
         self.video = video
         self.image_size = image_size
         self.run_tower = run_tower

@@ -98,9 +98,10 @@ class QwenVisionAdapter(EncoderAdapter):
 
     def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any, device: torch.device,
                  dtype: torch.dtype, video: VideoSettings | None = None, family: str = "qwen2_5_vl") -> None:
+        from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
-        self.image_processor = image_processor
+        self.image_processor = accelerated(image_processor)
         self.video = video or VideoSettings()
         self.device = device
         self.dtype = dtype
@@ -119,7 +120,7 @@ class QwenVisionAdapter(EncoderAdapter):
                              f"vision tower's {tower_grid}")
         self.min_pixels = int(image_processor.size.shortest_edge)
         self.max_pixels = int(image_processor.size.longest_edge)
-        self.frame_processor = frame_processor(self.video.frame_settings)
+        self.frame_processor = accelerated(frame_processor(self.video.frame_settings))
         video_grid = (int(self.frame_processor.patch_size), int(self.frame_processor.merge_size),
                       int(self.frame_processor.temporal_patch_size))
         if video_grid != tower_grid:
