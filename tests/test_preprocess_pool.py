@@ -509,6 +509,11 @@ def test_server_with_workers_fails_bad_items_alone_and_survives_a_killed_worker(
             np.testing.assert_allclose(embedding(response), expected(data), rtol=1e-5, atol=1e-5)
         wait_until(lambda: len(server_workers(server.proc.pid)) == 2, 180)  # restarted
         assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+        workers_seen = httpx.get(server.url + "/v1/performance", timeout=60).json()["preprocess_workers"]
+        assert [w["worker"] for w in workers_seen] == [0, 1]
+        assert sum(w["items"] for w in workers_seen) >= len(heavy) + 2  # the truncated item failed in a worker
+        assert sum(w["restarts"] for w in workers_seen) >= 1
+        assert all(0 <= w["slot_items"] <= w["items"] and w["cpu_s"] >= 0 for w in workers_seen)
     wait_until(lambda: not any(pid_alive(pid) for pid in workers), 30)  # none outlives the server
 
 

@@ -10,7 +10,8 @@ spreads over the cores. Three closed loops over the same images, batches of `--b
   `collate` + forward in this process, at most two batches between submission and the end of their
   forward as in the server (the next batch preprocessing while this one runs the forward);
   prints each worker's utilisation (CPU seconds and busy seconds over the loop's wall time);
-- `service`: the HTTP server on all cores (`--preprocess-workers`), closed loop at `--concurrency`.
+- `service`: the HTTP server on all cores (`--preprocess-workers`), closed loop at `--concurrency`
+  after a warm-up round; prints the workers' utilisation as the server reports it.
 
     python -m encode_server.bench.camera --mode inprocess,pool --seconds 20
     THP_MEM_ALLOC_ENABLE=1 python -m encode_server.bench.camera --mode inprocess,pool --workers 2
@@ -182,10 +183,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
         after = pool.stats()
     finally:
         pool.close()
-    utilisation = [{"worker": a["worker"], "items": a["items"] - b["items"],
-                    "slot_items": a["slot_items"] - b["slot_items"],
-                    "cpu_fraction": (a["cpu_s"] - b["cpu_s"]) / wall,
-                    "busy_fraction": (a["busy_s"] - b["busy_s"]) / wall} for a, b in zip(after, before)]
+    utilisation = workers_utilisation(before, after, wall)
     workers_cpu_s = sum(worker["cpu_fraction"] for worker in utilisation) * wall
     return {"mode": "pool", "workers": workers, "images": done, "wall_s": wall, "images_per_s": done / wall,
             "collate_and_forward_fraction": forward_s / wall, "main_cpu_fraction": main_cpu_s / wall,
@@ -193,17 +191,36 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
             "workers_utilisation": utilisation}
 
 
+def workers_utilisation(before: list[dict], after: list[dict], wall: float) -> list[dict]:
+    """Per worker, between two `PreprocessPool.stats()` snapshots `wall` seconds apart: items (in slots),
+    CPU and busy time as fractions of `wall`."""
+    return [{"worker": a["worker"], "items": a["items"] - b["items"], "slot_items": a["slot_items"] - b["slot_items"],
+             "cpu_fraction": (a["cpu_s"] - b["cpu_s"]) / wall, "busy_fraction": (a["busy_s"] - b["busy_s"]) / wall}
+            for a, b in zip(after, before)]
+
+
 def run_service(images: list[bytes], workers: int, concurrency: int, requests: int, extra: list[str]) -> dict:
-    """The HTTP server with `--preprocess-workers`, closed loop, one image per request."""
+    """The HTTP server with `--preprocess-workers`, closed loop, one image per request, after a warm-up
+    round of `concurrency` requests (as the other modes warm up first); the workers' utilisation comes
+    from the server's `/v1/performance`."""
+    import httpx
+
     from .launcher import ServerProcess
     from .load import closed_loop
+
+    def pool_stats(url: str) -> list[dict]:
+        return httpx.get(url + "/v1/performance", timeout=60).json()["preprocess_workers"]
 
     payloads = [base64.b64encode(data).decode() for data in images]
     # The images repeat round robin: the embedding cache would answer all but the first eight.
     flags = ["--model", str(camera_checkpoint()), "--preprocess-workers", str(workers), "--cache-bytes", "0", *extra]
     with ServerProcess(*flags, startup_timeout=600) as server:
+        asyncio.run(closed_loop(server.url, "warm-up", concurrency, concurrency, "image", payloads))
+        before, started = pool_stats(server.url), time.perf_counter()
         result = asyncio.run(closed_loop(server.url, f"service-w{workers}", concurrency, requests, "image", payloads))
-    return {"mode": "service", "workers": workers, **result.as_dict()}
+        wall = time.perf_counter() - started
+        utilisation = workers_utilisation(before, pool_stats(server.url), wall)
+    return {**result.as_dict(), "mode": "service", "workers": workers, "workers_utilisation": utilisation}
 
 
 def main(argv=None) -> None:
