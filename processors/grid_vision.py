@@ -38,8 +38,10 @@ class GridVisionAdapter(EncoderAdapter):
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype) -> None:
         from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
+        from .patch_embed import patches_as_matmul
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
+        patches_as_matmul(self.tower.patch_embed)
         self.image_processor = accelerated(image_processor)
         self.video = video
         self.image_size = image_size

@@ -99,8 +99,10 @@ class QwenVisionAdapter(EncoderAdapter):
     def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any, device: torch.device,
                  dtype: torch.dtype, video: VideoSettings | None = None, family: str = "qwen2_5_vl") -> None:
         from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
+        from .patch_embed import patches_as_matmul
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
+        patches_as_matmul(self.tower.patch_embed)
         self.image_processor = accelerated(image_processor)
         self.video = video or VideoSettings()
         self.device = device

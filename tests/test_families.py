@@ -145,7 +145,8 @@ def test_two_identical_frames_encode_like_the_image(qwen_ckpt):
         (folder / "video_preprocessor_config.json").unlink()
     image = random_image(84, 112, 3)
     video_rows = adapter.forward(adapter.preprocess("video", [[image, image]]))
-    assert rel_diff(video_rows, qwen_reference(model, processor, [image])) <= 1e-6
+    # 1e-5: our patch embedding is a matrix multiply, transformers' a Conv3d (summation order differs).
+    assert rel_diff(video_rows, qwen_reference(model, processor, [image])) <= 1e-5
 
 
 def test_internvl_folder_matches_get_image_features_in_tile_space(internvl_ckpt):
