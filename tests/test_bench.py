@@ -48,3 +48,17 @@ def test_camera_one_core_pin_is_undone_for_the_modes_after_it():
     with one_core():
         assert os.sched_getaffinity(0) == {min(allowed)}
     assert os.sched_getaffinity(0) == allowed
+
+
+def test_camera_stages_time_each_size_on_one_core(tmp_path):
+    """`--mode stages`: decode, processor and forward of one image of each camera size (a tiny tower)."""
+    import os
+
+    from encode_server.bench.camera import camera_jpegs, camera_tower, run_stages
+
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    result = run_stages(camera_tower(tmp_path / "camera"), camera_jpegs(2), repeats=1)
+    assert set(result) == {"mode", "1280x720", "1920x1080"}
+    assert all(stage > 0 for size in ("1280x720", "1920x1080") for stage in result[size].values())
+    if allowed is not None:
+        assert os.sched_getaffinity(0) == allowed

@@ -2,7 +2,8 @@
 
 Preprocessing dominates here (a 1280x720 image becomes 4,784 patches: decode, resize, normalise and
 patchify cost far more than the tiny tower's forward), so this measures how well the CPU path
-spreads over the cores. Three closed loops over the same images, batches of `--batch-size`:
+spreads over the cores. `stages` times decode, processor and forward of one image of each size on
+one core; then three closed loops over the same images, batches of `--batch-size`:
 
 - `inprocess`: decode + processor + forward in this one process on one core (affinity set to one
   CPU, one torch thread): the ceiling of the old design, where one thread preprocessed every batch;
@@ -137,6 +138,32 @@ def _inprocess_loop(adapter, limits, images: list[bytes], batch_size: int, secon
             "cpu_fraction": cpu_s / wall, "cpu_s_per_image": cpu_s / max(1, done)}
 
 
+def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
+    """Decode, processor and forward of one image of each camera size, on one core: ms per call."""
+    from encode_server.decoding import MediaLimits, decode_bytes
+    from encode_server.settings import Settings
+
+    torch.set_num_threads(1)
+    limits = MediaLimits.from_settings(Settings(), adapter)
+
+    def timed(call) -> tuple[float, object]:
+        result = call()  # warm-up
+        started = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        return (time.perf_counter() - started) / repeats * 1e3, result
+
+    stages = {}
+    with one_core():
+        for data in images[:len(CAMERA_SIZES)]:
+            decode_ms, decoded = timed(lambda data=data: decode_bytes("image", data, limits, "x"))
+            processor_ms, prepared = timed(lambda decoded=decoded: adapter.preprocess("image", [decoded]))
+            forward_ms, _ = timed(lambda prepared=prepared: adapter.forward(prepared))
+            stages["x".join(map(str, decoded.size))] = {"decode_ms": decode_ms, "processor_ms": processor_ms,
+                                                          "forward_ms": forward_ms}
+    return {"mode": "stages", **stages}
+
+
 def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
     """The pool prepares batch k+1 while this process collates and forwards batch k."""
     from encode_server.decoding import MediaLimits
@@ -225,7 +252,8 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="inprocess,pool", help="comma-separated: inprocess, pool, service")
+    parser.add_argument("--mode", default="inprocess,pool",
+                        help="comma-separated: stages, inprocess, pool, service")
     parser.add_argument("--workers", type=int, default=0, help="pool workers (0: every core)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -242,7 +270,9 @@ def main(argv=None) -> None:
             result = run_service(images, workers, args.concurrency, args.requests, [])
         else:
             adapter = camera_tower()
-            if mode == "inprocess":
+            if mode == "stages":
+                result = run_stages(adapter, images)
+            elif mode == "inprocess":
                 result = run_inprocess(adapter, images, args.batch_size, args.seconds)
             else:
                 result = run_pool(adapter, images, args.batch_size, args.seconds, workers)
