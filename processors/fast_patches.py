@@ -1,7 +1,8 @@
-"""Qwen2-VL's PIL image processor with a faster, bit-identical rescale + normalise + patchify.
+"""Qwen2-VL's and GLM-4V's PIL image processors with a faster, bit-identical rescale + normalise + patchify.
 
-`Qwen2VLImageProcessorPil` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints) resizes each image
-(PIL, uint8), then rescales it in float64, casts to float32, normalises it in float32 and patchifies it:
+`Qwen2VLImageProcessorPil` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints) and
+`Glm4vImageProcessorPil` (the same steps, its own resize) resize each image (PIL, uint8), then
+rescale it in float64, cast to float32, normalise it in float32 and patchify it:
 four passes over a float image and a final copy, ~65% of a camera image's preprocessing. After the
 resize every output value depends only on the pixel's uint8 value and its channel, so a 256-entry
 table per channel, computed with the very same numpy operations, gives the identical float32 bits in
@@ -11,9 +12,9 @@ patch layout. Measured on one core (1280x720 / 1920x1080 JPEGs, Qwen2.5-VL's pix
 
 Only the step after the resize changes: `preprocess`, its argument handling, RGB conversion and the
 resize itself stay `transformers`' own. An image that is not uint8 after the resize (a float array
-given directly) takes the stock path. `accelerated` swaps the class of exact
-`Qwen2VLImageProcessorPil` instances (subclasses may change any step) and returns anything else as
-it is. tests/test_fast_patches.py compares every output bit with the installed `transformers`.
+given directly) takes the stock path. `accelerated` gives a copy of an exact stock instance the
+twin's class (a subclass may change any step, so it is left alone) and returns anything else as it
+is. tests/test_fast_patches.py compares every output bit with the installed `transformers`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers.image_processing_utils import BatchFeature
+from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
@@ -69,17 +71,19 @@ def patchify_into(out: np.ndarray, image: np.ndarray, table: np.ndarray, patch_s
             target[:, channel, step] = values
 
 
-class FastQwen2VLImageProcessorPil(Qwen2VLImageProcessorPil):
-    """`Qwen2VLImageProcessorPil` whose step after the resize is a table lookup (same output bits)."""
+class TableLookupPatches:
+    """The shared `_preprocess` of the PIL image processors that resize, rescale, normalise and patchify
+    each image in Qwen2-VL's layout; a subclass says how its processor calls `resize`."""
+
+    def _resize_for_patches(self, image: np.ndarray, size: Any, resample: Any, patch_size: int, merge_size: int,
+                            temporal_patch_size: int) -> np.ndarray:
+        raise NotImplementedError
 
     def _preprocess(self, images: list[np.ndarray], do_resize: bool, size: Any, resample: Any, do_rescale: bool,
                     rescale_factor: float, do_normalize: bool, image_mean: Any, image_std: Any, patch_size: int,
                     temporal_patch_size: int, merge_size: int, return_tensors: Any, **kwargs: Any) -> BatchFeature:
-        resized = []
-        for image in images:
-            if do_resize:
-                image = self.resize(image, size=size, resample=resample, factor=patch_size * merge_size)
-            resized.append(image)
+        resized = [self._resize_for_patches(image, size, resample, patch_size, merge_size, temporal_patch_size)
+                   if do_resize else image for image in images]
         grids = [(1, image.shape[-2] // patch_size, image.shape[-1] // patch_size) for image in resized]
         rows = [h * w for _, h, w in grids]
         channels = resized[0].shape[0] if resized else 3
@@ -106,11 +110,32 @@ class FastQwen2VLImageProcessorPil(Qwen2VLImageProcessorPil):
                             tensor_type=return_tensors)
 
 
+class FastQwen2VLImageProcessorPil(TableLookupPatches, Qwen2VLImageProcessorPil):
+    """`Qwen2VLImageProcessorPil` whose step after the resize is a table lookup (same output bits)."""
+
+    def _resize_for_patches(self, image, size, resample, patch_size, merge_size, temporal_patch_size):
+        return self.resize(image, size=size, resample=resample, factor=patch_size * merge_size)
+
+
+class FastGlm4vImageProcessorPil(TableLookupPatches, Glm4vImageProcessorPil):
+    """`Glm4vImageProcessorPil` (its resize counts the temporal patch) with the table lookup."""
+
+    def _resize_for_patches(self, image, size, resample, patch_size, merge_size, temporal_patch_size):
+        return self.resize(image, size=size, resample=resample, factor=patch_size * merge_size,
+                           temporal_factor=temporal_patch_size)
+
+
+#: Stock processor class -> its table-lookup twin.
+FAST_TWINS = {Qwen2VLImageProcessorPil: FastQwen2VLImageProcessorPil,
+              Glm4vImageProcessorPil: FastGlm4vImageProcessorPil}
+
+
 def accelerated(processor: Any) -> Any:
-    """A `FastQwen2VLImageProcessorPil` copy of `processor` (same settings) if it is exactly a stock
-    `Qwen2VLImageProcessorPil`; any other processor itself. The caller's object is never changed."""
-    if type(processor) is not Qwen2VLImageProcessorPil:
+    """A table-lookup copy of `processor` (same settings) if its class is exactly one of `FAST_TWINS`' stock
+    classes; any other processor itself. The caller's object is never changed."""
+    twin = FAST_TWINS.get(type(processor))
+    if twin is None:
         return processor
     fast = copy.deepcopy(processor)
-    fast.__class__ = FastQwen2VLImageProcessorPil
+    fast.__class__ = twin
     return fast

@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from processors import load_adapter
-from processors.fast_patches import FastQwen2VLImageProcessorPil, accelerated
+from processors.fast_patches import FAST_TWINS, FastQwen2VLImageProcessorPil, accelerated
 
 QWEN25_LIMITS = dict(min_pixels=3136, max_pixels=12845056)
 
@@ -26,9 +27,9 @@ def picture(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Imag
     return Image.fromarray(pixels).convert(mode)
 
 
-def assert_same_output(stock: Qwen2VLImageProcessorPil, images: list, return_tensors: str = "pt", **call) -> None:
+def assert_same_output(stock, images: list, return_tensors: str = "pt", **call) -> None:
     fast = accelerated(stock)
-    assert type(fast) is FastQwen2VLImageProcessorPil
+    assert type(fast) is FAST_TWINS[type(stock)]
     expected = stock(images=images, return_tensors=return_tensors, **call)
     got = fast(images=images, return_tensors=return_tensors, **call)
     for key in ("pixel_values", "image_grid_thw"):
@@ -50,6 +51,16 @@ def assert_same_output(stock: Qwen2VLImageProcessorPil, images: list, return_ten
 def test_bit_identical_for_each_setting(settings_):
     images = [picture(301, 207, 1), picture(64, 40, 2), picture(640, 480, 3)]
     assert_same_output(Qwen2VLImageProcessorPil(**settings_), images)
+
+
+@pytest.mark.parametrize("settings_", [
+    {},  # GLM-4V's defaults
+    dict(size={"shortest_edge": 56 * 56, "longest_edge": 448 * 448}),
+    dict(do_normalize=False, temporal_patch_size=1),
+])
+def test_glm4v_bit_identical(settings_):
+    images = [picture(301, 207, 11), picture(64, 40, 12), picture(640, 480, 13)]
+    assert_same_output(Glm4vImageProcessorPil(**settings_), images)
 
 
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK", "LA", "I;16"])
@@ -92,7 +103,7 @@ def test_accelerated_copies_only_the_stock_class():
     assert accelerated(custom) is custom
 
 
-def test_the_qwen_adapters_use_it():
-    for name in ("tiny-qwen2.5-vl", "tiny-qwen3-vl"):
+def test_the_qwen_and_glm4v_adapters_use_it():
+    for name in ("tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"):
         adapter = load_adapter(name, "cpu", "float32")
-        assert type(adapter.image_processor) is FastQwen2VLImageProcessorPil, name
+        assert type(adapter.image_processor) in FAST_TWINS.values(), name
