@@ -24,9 +24,18 @@ class PreprocessDeviceError(ValueError):
     """`--preprocess-device cuda` cannot be honoured here (said at start-up)."""
 
 
+def pil_backend_class(pil_processor: Any) -> type:
+    """The `transformers` PIL-backend class of a processor: its own class, or for our table-lookup copies
+    (`processors/fast_patches.py`) the stock class they derive from."""
+    for cls in type(pil_processor).__mro__:
+        if cls.__name__.endswith("Pil") and ".image_processing_pil_" in cls.__module__:
+            return cls
+    return type(pil_processor)
+
+
 def fast_twin(pil_processor: Any) -> Any:
     """The torchvision-backend image processor with the same settings as a PIL-backend one."""
-    cls = type(pil_processor)
+    cls = pil_backend_class(pil_processor)
     module = cls.__module__
     if not cls.__name__.endswith("Pil") or ".image_processing_pil_" not in module:
         raise PreprocessDeviceError(f"{cls.__name__} is not a PIL-backend image processor with a fast twin")
