@@ -137,8 +137,7 @@ class EncoderEngine:
 
     def _collate_and_forward(self, batches: list[PreparedBatch]) -> tuple[list[ItemLayout], torch.Tensor]:
         try:
-            prepared = self.adapter.collate(batches)
-            return prepared.layouts, self.adapter.forward(prepared)
+            return self.adapter.forward_items(batches)
         finally:
             self.preprocessor.release(batches)
 

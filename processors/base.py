@@ -132,6 +132,13 @@ class EncoderAdapter(ABC):
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         """One encoder forward for the batch: rows of all items concatenated, `[tokens, hidden]`, on CPU."""
 
+    def forward_items(self, batches: Sequence[PreparedBatch]) -> tuple[list[ItemLayout], torch.Tensor]:
+        """One forward over per-item `preprocess` results (the preprocessing pool's), in order: the layouts
+        and the rows of `forward(collate(batches))`. An adapter whose tower can take the items' inputs
+        separately overrides it, to skip the copy that concatenating them costs."""
+        prepared = self.collate(batches)
+        return prepared.layouts, self.forward(prepared)
+
     @abstractmethod
     def sample_item(self) -> tuple[str, Any]:
         """A tiny decoded item of a supported modality, for warm-up and health probes."""

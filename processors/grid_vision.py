@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from .patch_embed import ItemPixelsForward, patches_as_matmul
 from .video_patches import VideoPatcher
 
 #: (height, width) of an image -> the (height, width) the image processor resizes it to.
@@ -32,16 +33,15 @@ ImageSize = Callable[[int, int], tuple[int, int]]
 RunTower = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
 
-class GridVisionAdapter(EncoderAdapter):
+class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
     """A patch-grid vision tower on images (PIL image processor) and videos (`VideoPatcher`)."""
 
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype) -> None:
         from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
-        from .patch_embed import patches_as_matmul
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
-        patches_as_matmul(self.tower.patch_embed)
+        self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
         self.image_processor = accelerated(image_processor)
         self.video = video
         self.image_size = image_size
@@ -103,8 +103,10 @@ class GridVisionAdapter(EncoderAdapter):
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         pixels = batch.inputs["pixel_values"].to(device=self.device, dtype=self.dtype, non_blocking=True)
         grid = batch.inputs["grid_thw"].to(self.device)
-        rows = self.run_tower(self.tower, pixels, grid, batch.modality)
-        return rows.to("cpu").contiguous()
+        return self.tower_rows(pixels, grid, batch.modality).to("cpu").contiguous()
+
+    def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
+        return self.run_tower(self.tower, pixels, grid, modality)
 
 
 def transformers_class(path: str) -> type:

@@ -9,21 +9,33 @@ Conv3d and 164 ms as a matrix multiply (max abs difference 5e-6 on values up to 
 tower's 10.5 -> 8.5 ms (`python scripts/patch_embed_timing.py`). The module keeps its Conv3d
 parameters (names, sharding, checkpoints unchanged); only its `forward` is replaced, and only when the
 convolution is exactly that shape.
+
+The embedding also takes the pixel rows of a batch's items as separate tensors (`forward_items` of the
+Qwen-grid adapters, fed by the preprocessing pool): the tower's forward hands its pixels to the patch
+embedding before anything else reads them, so a batch of camera images (~290 MB of float32 rows for
+eight) is never concatenated; only the embedded rows are.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-def _as_matmul(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _as_matmul(self: torch.nn.Module, hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """The patch rows embedded; given a sequence of row tensors (one per item), each is embedded on its own
+    and only the (much narrower) results are concatenated, so the pixels are never copied into one tensor."""
     proj = self.proj
     weight = proj.weight
-    rows = hidden_states.reshape(-1, weight[0].numel()).to(dtype=weight.dtype)
-    return F.linear(rows, weight.reshape(weight.shape[0], -1), proj.bias).view(-1, self.embed_dim)
+    matrix = weight.reshape(weight.shape[0], -1)
+    parts = [hidden_states] if isinstance(hidden_states, torch.Tensor) else list(hidden_states)
+    embedded = [F.linear(part.reshape(-1, matrix.shape[1]).to(dtype=weight.dtype), matrix, proj.bias)
+                for part in parts]
+    return (embedded[0] if len(embedded) == 1 else torch.cat(embedded)).view(-1, self.embed_dim)
 
 
 def patches_as_matmul(patch_embed: torch.nn.Module) -> bool:
@@ -37,3 +49,24 @@ def patches_as_matmul(patch_embed: torch.nn.Module) -> bool:
         return False
     patch_embed.forward = types.MethodType(_as_matmul, patch_embed)
     return True
+
+
+class ItemPixelsForward:
+    """`forward_items` for the Qwen-grid adapters: each item's pixel rows go to the tower as they are (see
+    `_as_matmul`), only the small grids are concatenated. The adapter sets `embeds_parts` (what
+    `patches_as_matmul` answered) and gives `tower_rows(pixels, grid, modality)`."""
+
+    embeds_parts = False
+
+    def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_items(self, batches: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
+        if not self.embeds_parts or len(batches) < 2 or \
+                any(set(batch.inputs) != {"pixel_values", "grid_thw"} for batch in batches):
+            return super().forward_items(batches)  # type: ignore[misc]
+        pixels = [batch.inputs["pixel_values"].to(device=self.device, dtype=self.dtype, non_blocking=True)
+                  for batch in batches]
+        grid = torch.cat([batch.inputs["grid_thw"] for batch in batches]).to(self.device)
+        rows = self.tower_rows(pixels, grid, batches[0].modality)
+        return [layout for batch in batches for layout in batch.layouts], rows.to("cpu").contiguous()

@@ -26,6 +26,7 @@ from PIL import Image
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .builtin import seeded
 from .family import Family
+from .patch_embed import ItemPixelsForward, patches_as_matmul
 
 #: `Qwen2VLVideoProcessor`'s class defaults (transformers/models/qwen2_vl/video_processing_qwen2_vl.py), which
 #: apply where the folder's video processor settings do not say: pixels per frame, and the token budget
@@ -93,16 +94,15 @@ def video_settings_from_folder(folder: Path) -> VideoSettings:
     return VideoSettings.from_processor_dict(settings)
 
 
-class QwenVisionAdapter(EncoderAdapter):
+class QwenVisionAdapter(ItemPixelsForward, EncoderAdapter):
     """Runs a Qwen-grid vision tower (`tower(pixels, grid_thw).pooler_output`) on images and videos."""
 
     def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any, device: torch.device,
                  dtype: torch.dtype, video: VideoSettings | None = None, family: str = "qwen2_5_vl") -> None:
         from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
-        from .patch_embed import patches_as_matmul
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
-        patches_as_matmul(self.tower.patch_embed)
+        self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
         self.image_processor = accelerated(image_processor)
         self.video = video or VideoSettings()
         self.device = device
@@ -203,8 +203,10 @@ class QwenVisionAdapter(EncoderAdapter):
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         pixels = batch.inputs["pixel_values"].to(device=self.device, dtype=self.dtype, non_blocking=True)
         grid = batch.inputs["grid_thw"].to(self.device)
-        rows = self.tower(pixels, grid_thw=grid).pooler_output
-        return rows.to("cpu").contiguous()
+        return self.tower_rows(pixels, grid, batch.modality).to("cpu").contiguous()
+
+    def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
+        return self.tower(pixels, grid_thw=grid).pooler_output
 
 
 def load_qwen_vision(folder: Path, device: torch.device, dtype: torch.dtype, config_class: Any, tower_class: Any,

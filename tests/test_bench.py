@@ -58,7 +58,7 @@ def test_camera_stages_time_each_size_on_one_core(tmp_path):
 
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     result = run_stages(camera_tower(tmp_path / "camera"), camera_jpegs(2), repeats=1)
-    assert set(result) == {"mode", "1280x720", "1920x1080"}
-    assert all(stage > 0 for size in ("1280x720", "1920x1080") for stage in result[size].values())
+    assert set(result) == {"mode", "1280x720", "1920x1080", "batch of 2"}
+    assert all(stage > 0 for size in ("1280x720", "1920x1080", "batch of 2") for stage in result[size].values())
     if allowed is not None:
         assert os.sched_getaffinity(0) == allowed

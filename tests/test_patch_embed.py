@@ -60,3 +60,24 @@ def test_a_module_without_a_conv3d_is_left_alone():
     module = torch.nn.Module()
     module.proj, module.embed_dim = torch.nn.Linear(4, 4), 4
     assert not patches_as_matmul(module) and "forward" not in vars(module)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"])
+def test_forward_items_embeds_each_items_pixels_apart_with_the_collated_rows(name):
+    """The pool's path: per-item results go to the tower as a list (never concatenated), same rows."""
+    import numpy as np
+    from PIL import Image
+
+    adapter = load_adapter(name, "cpu", "float32")
+    images = [Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for seed, (w, h) in enumerate([(120, 90), (300, 200), (56, 56)])]
+    seen: list[type] = []
+    adapter.tower.patch_embed.register_forward_pre_hook(lambda module, args: seen.append(type(args[0])))
+    for modality, items in (("image", images), ("video", [images[:1] * 3, images[1:2] * 2])):
+        per_item = [adapter.preprocess(modality, [item]) for item in items]
+        seen.clear()
+        layouts, rows = adapter.forward_items(per_item)
+        assert seen == [list]
+        collated = adapter.collate(per_item)
+        assert layouts == collated.layouts
+        torch.testing.assert_close(rows, adapter.forward(collated), rtol=1e-6, atol=1e-6)

@@ -3,13 +3,15 @@
 Preprocessing dominates here (a 1280x720 image becomes 4,784 patches: decode, resize, normalise and
 patchify cost far more than the tiny tower's forward), so this measures how well the CPU path
 spreads over the cores. `stages` times decode, processor and forward of one image of each size on
-one core; then three closed loops over the same images, batches of `--batch-size`:
+one core, and a batch of every image forwarded with and without concatenating its items' pixels;
+then three closed loops over the same images, batches of `--batch-size`:
 
 - `inprocess`: decode + processor + forward in this one process on one core (affinity set to one
   CPU, one torch thread): the ceiling of the old design, where one thread preprocessed every batch;
 - `pool`: a `PreprocessPool` of `--workers` processes decodes and preprocesses (each item on its own),
-  `collate` + forward in this process, at most two batches between submission and the end of their
-  forward as in the server (the next batch preprocessing while this one runs the forward);
+  `forward_items` in this process (as the server's forward thread), at most two batches between
+  submission and the end of their forward as in the server (the next batch preprocessing while this
+  one runs the forward);
   prints each worker's utilisation (CPU seconds and busy seconds over the loop's wall time);
 - `service`: the HTTP server on all cores (`--preprocess-workers`), closed loop at `--concurrency`
   after a warm-up round; prints the workers' utilisation as the server reports it.
@@ -139,7 +141,8 @@ def _inprocess_loop(adapter, limits, images: list[bytes], batch_size: int, secon
 
 
 def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
-    """Decode, processor and forward of one image of each camera size, on one core: ms per call."""
+    """Decode, processor and forward of one image of each camera size, and the forward of a batch of all
+    `images` prepared one by one (`collate` + `forward` against `forward_items`), on one core: ms per call."""
     from encode_server.decoding import MediaLimits, decode_bytes
     from encode_server.settings import Settings
 
@@ -161,11 +164,16 @@ def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
             forward_ms, _ = timed(lambda prepared=prepared: adapter.forward(prepared))
             stages["x".join(map(str, decoded.size))] = {"decode_ms": decode_ms, "processor_ms": processor_ms,
                                                           "forward_ms": forward_ms}
+        # A batch of every image, prepared one by one (as the pool returns them): concatenated first, or not.
+        per_item = [adapter.preprocess("image", [decode_bytes("image", data, limits, "x")]) for data in images]
+        collated_ms, _ = timed(lambda: adapter.forward(adapter.collate(per_item)))
+        items_ms, _ = timed(lambda: adapter.forward_items(per_item))
+        stages[f"batch of {len(images)}"] = {"collate_and_forward_ms": collated_ms, "forward_items_ms": items_ms}
     return {"mode": "stages", **stages}
 
 
 def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
-    """The pool prepares batch k+1 while this process collates and forwards batch k."""
+    """The pool prepares batch k+1 while this process forwards batch k (`forward_items`, as the server does)."""
     from encode_server.decoding import MediaLimits
     from encode_server.preprocess_pool import PreprocessPool
     from encode_server.settings import Settings
@@ -198,7 +206,7 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
             if len(prepared) != len(results):
                 raise RuntimeError(f"items failed: {[r for r in results if not isinstance(r, PreparedBatch)]}")
             forward_started = time.perf_counter()
-            adapter.forward(adapter.collate(prepared))
+            adapter.forward_items(prepared)
             pool.release(prepared)
             forward_s += time.perf_counter() - forward_started
             done += len(prepared)
