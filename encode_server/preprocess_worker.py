@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from processors import EncoderAdapter, PreparedBatch
+from processors.base import pixels_allocated_by
 
 from .decoding import MediaLimits
 from .shared_tensors import SlotWriter, export_tensors
@@ -48,6 +49,12 @@ def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, ra
         raise RuntimeError(f"{location}: the processor's grid {prepared.layouts} differs from the item's layout "
                            f"{layout}")
     return prepared
+
+
+def _in_slot(slots: SlotWriter, shape: tuple[int, int]) -> torch.Tensor:
+    """float32 pixel rows inside a free slot, so that sending them copies nothing; a new tensor without one."""
+    view = slots.reserve(shape[0] * shape[1] * 4)
+    return torch.empty(shape, dtype=torch.float32) if view is None else view.view(torch.float32).view(shape)
 
 
 def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
@@ -81,7 +88,8 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
         slots.release(released)
         started, cpu_started = time.perf_counter(), time.process_time()
         try:
-            prepared = prepare_item(adapter, limits, modality, raw, location)
+            with pixels_allocated_by(lambda shape: _in_slot(slots, shape)):
+                prepared = prepare_item(adapter, limits, modality, raw, location)
             inputs: Any
             try:
                 inputs = (slots.write(prepared.inputs)

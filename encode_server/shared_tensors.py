@@ -9,7 +9,8 @@ Two kinds of file:
 - a reusable slot (`SlotWriter` / `SlotReader`): a worker keeps a few slots mapped, the reader maps
   each once, and the writer reuses a slot once the reader released it. A fresh block costs a page
   allocation per 4 KiB on both sides (about 17 ms to write and 5 ms to map a camera image's 22 MB
-  here); a reused slot costs one memory copy.
+  here); a reused slot costs one memory copy, and none when the processor wrote its output straight
+  into the slot (`SlotWriter.reserve`).
 """
 
 from __future__ import annotations
@@ -114,6 +115,17 @@ class _Slot:
     busy: bool = False
 
 
+def _in_place_or_outside(slot: _Slot, entries: list, tensors) -> bool:
+    """Whether each tensor either lies exactly where `write` puts it in `slot` or outside the slot (a tensor
+    overlapping it elsewhere, say a slice of what a processor wrote there, would be overwritten while read)."""
+    base = torch.frombuffer(slot.mapping, dtype=torch.uint8, count=1).data_ptr()
+    for (_, _, _, start), value in zip(entries, tensors):
+        address = value.data_ptr()
+        if value.numel() and base <= address < base + slot.capacity and address != base + start:
+            return False
+    return True
+
+
 class SlotWriter:
     """A worker's reusable shared-memory slots (see the module docstring).
 
@@ -130,6 +142,18 @@ class SlotWriter:
         self.max_bytes = max_bytes
         self._slots: dict[int, _Slot] = {}
         self._names = itertools.count()
+        self._reserved: _Slot | None = None
+        self.bytes_copied = 0  # what `write` had to copy (not what a processor wrote into a reserved slot)
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 view of the first `nbytes` of a free slot (with room for a few small tensors after them),
+        for a processor to write an item's first tensor into; the next `write` uses that slot and copies
+        nothing for a tensor already in place. None when no slot can be had (allocate as usual then)."""
+        size = -(-nbytes // _ALIGN) * _ALIGN + 16 * _ALIGN
+        free = [slot for slot in self._slots.values() if not slot.busy and slot.capacity >= size]
+        slot = min(free, key=lambda candidate: candidate.capacity) if free else self._new_slot(size)
+        self._reserved = slot
+        return None if slot is None else torch.frombuffer(slot.mapping, dtype=torch.uint8, count=nbytes)
 
     def release(self, slot_ids) -> None:
         for slot_id in slot_ids:
@@ -140,15 +164,23 @@ class SlotWriter:
         tensors, entries, size = _layout(tensors)
         if size == 0:
             return None
-        free = [slot for slot in self._slots.values() if not slot.busy and slot.capacity >= size]
-        slot = min(free, key=lambda candidate: candidate.capacity) if free else self._new_slot(size)
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and reserved.id in self._slots and not reserved.busy and reserved.capacity >= size \
+                and _in_place_or_outside(reserved, entries, tensors.values()):
+            slot = reserved
+        else:
+            free = [slot for slot in self._slots.values() if not slot.busy and slot.capacity >= size
+                    and slot is not reserved]
+            slot = min(free, key=lambda candidate: candidate.capacity) if free else self._new_slot(size)
         if slot is None:
             return None
         for (_, _, _, start), value in zip(entries, tensors.values()):
             if value.numel():
                 nbytes = value.numel() * value.element_size()
                 destination = torch.frombuffer(slot.mapping, dtype=torch.uint8, count=nbytes, offset=start)
-                destination.copy_(value.reshape(-1).view(torch.uint8))
+                if destination.data_ptr() != value.data_ptr():  # else: written in place (`reserve`)
+                    destination.copy_(value.reshape(-1).view(torch.uint8))
+                    self.bytes_copied += nbytes
                 del destination  # no buffer export left on the mapping, so that it can be closed later
         slot.busy = True
         return SharedTensors(slot.path, slot.capacity, tuple(entries), slot.id)

@@ -9,15 +9,38 @@ queues or time: the scheduler and engine only call these methods.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .dtypes import DTYPES
+
+#: Where a processor that supports it (`fast_patches`) puts its float32 pixel rows: a callable
+#: `(rows, width) -> tensor`, or None for a new tensor. Set around a processor call with `pixels_allocated_by`
+#: (a preprocessing worker points it into its shared-memory slot, so that sending the rows copies nothing).
+PIXELS_ALLOCATOR: contextvars.ContextVar[Callable[[tuple[int, int]], torch.Tensor] | None] = \
+    contextvars.ContextVar("fast_patches_pixels_allocator", default=None)
+
+
+def new_pixels(shape: tuple[int, int]) -> torch.Tensor:
+    """A new float32 tensor for pixel rows (huge pages with THP_MEM_ALLOC_ENABLE=1)."""
+    return torch.empty(shape, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def pixels_allocated_by(allocate: Callable[[tuple[int, int]], torch.Tensor]) -> Iterator[None]:
+    """Within the block, the table-lookup processors write their pixel rows into `allocate(shape)`."""
+    token = PIXELS_ALLOCATOR.set(allocate)
+    try:
+        yield
+    finally:
+        PIXELS_ALLOCATOR.reset(token)
 
 
 class ItemError(ValueError):

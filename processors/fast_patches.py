@@ -24,10 +24,11 @@ import functools
 from typing import Any
 
 import numpy as np
-import torch
 from transformers.image_processing_utils import BatchFeature
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from .base import PIXELS_ALLOCATOR, new_pixels
 
 
 @functools.lru_cache(maxsize=16)
@@ -87,9 +88,10 @@ class TableLookupPatches:
         grids = [(1, image.shape[-2] // patch_size, image.shape[-1] // patch_size) for image in resized]
         rows = [h * w for _, h, w in grids]
         channels = resized[0].shape[0] if resized else 3
-        # torch allocates the result (huge pages with THP_MEM_ALLOC_ENABLE=1); numpy writes through a view.
-        pixels = torch.empty((sum(rows), channels * temporal_patch_size * patch_size * patch_size),
-                             dtype=torch.float32).numpy()
+        # A new torch tensor (huge pages with THP_MEM_ALLOC_ENABLE=1) or the caller's (`pixels_allocated_by`:
+        # a preprocessing worker's shared-memory slot); numpy writes through a view.
+        shape = (sum(rows), channels * temporal_patch_size * patch_size * patch_size)
+        pixels = (PIXELS_ALLOCATOR.get() or new_pixels)(shape).numpy()
         start = 0
         for image, count in zip(resized, rows):
             out = pixels[start:start + count]

@@ -159,6 +159,51 @@ def test_a_slot_is_reused_once_released_and_never_overwritten_before():
     assert not list(SHM_DIR.glob(Path(prefix).name + "*"))
 
 
+def test_rows_written_into_a_reserved_slot_are_sent_without_a_copy():
+    prefix = str(SHM_DIR / f"encode-preprocess-test-{os.getpid()}-reserve")
+    writer, reader = SlotWriter(prefix, max_slots=2, max_bytes=8 << 20), SlotReader()
+    try:
+        rows = writer.reserve(300 * 40 * 4).view(torch.float32).view(300, 40)
+        rows.copy_(torch.arange(12000, dtype=torch.float32).view(300, 40))  # a processor writing its output
+        grid = torch.tensor([[1, 15, 20]])
+        shared = writer.write({"pixel_values": rows, "grid_thw": grid})
+        assert writer.bytes_copied == grid.numel() * 8  # only the small grid was copied
+        got = reader.read(shared)
+        assert torch.equal(got["pixel_values"], torch.arange(12000, dtype=torch.float32).view(300, 40))
+        assert torch.equal(got["grid_thw"], grid)
+        writer.release([shared.slot])
+        # A tensor inside the reserved slot but not where `write` would put it (a slice of the processor's
+        # output) must not be overwritten while it is read: another slot is used, by copying.
+        rows = writer.reserve(300 * 40 * 4).view(torch.float32).view(300, 40)
+        rows.copy_(torch.ones(300, 40))
+        expected = torch.ones(299, 40)
+        before = writer.bytes_copied
+        moved = writer.write({"grid_thw": grid, "pixel_values": rows[1:]})
+        assert moved.slot != shared.slot and writer.bytes_copied == before + grid.numel() * 8 + expected.numel() * 4
+        assert torch.equal(reader.read(moved)["pixel_values"], expected)
+    finally:
+        writer.close()
+    assert not list(SHM_DIR.glob(Path(prefix).name + "*"))
+
+
+def test_the_table_lookup_processor_writes_where_it_is_told(adapters):
+    from processors.base import pixels_allocated_by
+
+    qwen = adapters["tiny-qwen2.5-vl"]
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (90, 120, 3), dtype=np.uint8))
+    expected = qwen.preprocess("image", [image]).inputs["pixel_values"]
+    given: list[torch.Tensor] = []
+
+    def allocate(shape):
+        given.append(torch.full(shape, float("nan")))
+        return given[-1]
+
+    with pixels_allocated_by(allocate):
+        pixels = qwen.preprocess("image", [image]).inputs["pixel_values"]
+    assert len(given) == 1 and pixels.data_ptr() == given[0].data_ptr()
+    assert torch.equal(pixels, expected)
+
+
 def test_pool_reuses_released_slots_and_keeps_held_items_intact(adapters):
     qwen = adapters["tiny-qwen2.5-vl"]
     pool = PreprocessPool(qwen, LIMITS, workers=1)
