@@ -38,7 +38,7 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
 
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype) -> None:
-        from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
+        from .fast_patches import accelerated  # imports transformers' Qwen2-VL and GLM-4V processors
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
@@ -98,12 +98,6 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
             pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
         layouts = [ItemLayout(tokens=self._rows(row), grid_thw=tuple(int(v) for v in row)) for row in grid.tolist()]
         return PreparedBatch(modality=modality, layouts=layouts, inputs={"pixel_values": pixels, "grid_thw": grid})
-
-    @torch.inference_mode()
-    def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        pixels = batch.inputs["pixel_values"].to(device=self.device, dtype=self.dtype, non_blocking=True)
-        grid = batch.inputs["grid_thw"].to(self.device)
-        return self.tower_rows(pixels, grid, batch.modality).to("cpu").contiguous()
 
     def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
         return self.run_tower(self.tower, pixels, grid, modality)

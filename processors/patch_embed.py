@@ -52,21 +52,30 @@ def patches_as_matmul(patch_embed: torch.nn.Module) -> bool:
 
 
 class ItemPixelsForward:
-    """`forward_items` for the Qwen-grid adapters: each item's pixel rows go to the tower as they are (see
-    `_as_matmul`), only the small grids are concatenated. The adapter sets `embeds_parts` (what
-    `patches_as_matmul` answered) and gives `tower_rows(pixels, grid, modality)`."""
+    """`forward` and `forward_items` of the Qwen-grid adapters. In `forward_items`, each item's pixel rows go
+    to the tower as they are (see `_as_matmul`), only the small grids are concatenated. The adapter sets
+    `embeds_parts` (what `patches_as_matmul` answered) and gives `tower_rows(pixels, grid, modality)`."""
 
     embeds_parts = False
 
     def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def _on_device(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.to(device=self.device, dtype=self.dtype, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, batch: Any) -> torch.Tensor:
+        grid = batch.inputs["grid_thw"].to(self.device)
+        rows = self.tower_rows(self._on_device(batch.inputs["pixel_values"]), grid, batch.modality)
+        return rows.to("cpu").contiguous()
+
+    @torch.inference_mode()
     def forward_items(self, batches: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
         if not self.embeds_parts or len(batches) < 2 or \
                 any(set(batch.inputs) != {"pixel_values", "grid_thw"} for batch in batches):
             return super().forward_items(batches)  # type: ignore[misc]
-        pixels = [batch.inputs["pixel_values"].to(device=self.device, dtype=self.dtype, non_blocking=True)
-                  for batch in batches]
+        pixels = [self._on_device(batch.inputs["pixel_values"]) for batch in batches]
         grid = torch.cat([batch.inputs["grid_thw"] for batch in batches]).to(self.device)
         rows = self.tower_rows(pixels, grid, batches[0].modality)
         return [layout for batch in batches for layout in batch.layouts], rows.to("cpu").contiguous()

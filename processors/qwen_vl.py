@@ -99,7 +99,7 @@ class QwenVisionAdapter(ItemPixelsForward, EncoderAdapter):
 
     def __init__(self, name: str, tower: torch.nn.Module, image_processor: Any, device: torch.device,
                  dtype: torch.dtype, video: VideoSettings | None = None, family: str = "qwen2_5_vl") -> None:
-        from .fast_patches import accelerated  # imports transformers' Qwen2-VL processor
+        from .fast_patches import accelerated  # imports transformers' Qwen2-VL and GLM-4V processors
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
@@ -198,12 +198,6 @@ class QwenVisionAdapter(ItemPixelsForward, EncoderAdapter):
         grouped = per_frame.reshape(grid_t, tps, grid_h * grid_w, channels, ps, ps).transpose(0, 2, 3, 1, 4, 5)
         patches = np.ascontiguousarray(grouped).reshape(grid_t * grid_h * grid_w, channels * tps * ps * ps)
         return torch.from_numpy(patches), (grid_t, grid_h, grid_w)
-
-    @torch.inference_mode()
-    def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        pixels = batch.inputs["pixel_values"].to(device=self.device, dtype=self.dtype, non_blocking=True)
-        grid = batch.inputs["grid_thw"].to(self.device)
-        return self.tower_rows(pixels, grid, batch.modality).to("cpu").contiguous()
 
     def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
         return self.tower(pixels, grid_thw=grid).pooler_output

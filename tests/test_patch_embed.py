@@ -78,6 +78,7 @@ def test_forward_items_embeds_each_items_pixels_apart_with_the_collated_rows(nam
         seen.clear()
         layouts, rows = adapter.forward_items(per_item)
         assert seen == [list]
+        assert not rows.requires_grad  # no autograd graph, as in `forward`
         collated = adapter.collate(per_item)
         assert layouts == collated.layouts
         torch.testing.assert_close(rows, adapter.forward(collated), rtol=1e-6, atol=1e-6)
