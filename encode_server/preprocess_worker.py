@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from processors import EncoderAdapter, PreparedBatch
-from processors.base import pixels_allocated_by
+from processors.base import new_pixels, pixels_allocated_by
 
 from .decoding import MediaLimits
 from .shared_tensors import SlotWriter, export_tensors
@@ -51,10 +51,16 @@ def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, ra
     return prepared
 
 
-def _in_slot(slots: SlotWriter, shape: tuple[int, int]) -> torch.Tensor:
-    """float32 pixel rows inside a free slot, so that sending them copies nothing; a new tensor without one."""
-    view = slots.reserve(shape[0] * shape[1] * 4)
-    return torch.empty(shape, dtype=torch.float32) if view is None else view.view(torch.float32).view(shape)
+def _one_slot(slots: SlotWriter):
+    """An allocator for one task's pixel rows: the first call gets float32 rows inside a free slot (so that
+    sending them copies nothing), any later call a new tensor, so two outputs never share the slot."""
+    calls = itertools.count()
+
+    def allocate(shape: tuple[int, int]) -> torch.Tensor:
+        view = slots.reserve(shape[0] * shape[1] * 4) if next(calls) == 0 else None
+        return new_pixels(shape) if view is None else view.view(torch.float32).view(shape)
+
+    return allocate
 
 
 def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
@@ -88,7 +94,7 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
         slots.release(released)
         started, cpu_started = time.perf_counter(), time.process_time()
         try:
-            with pixels_allocated_by(lambda shape: _in_slot(slots, shape)):
+            with pixels_allocated_by(_one_slot(slots)):
                 prepared = prepare_item(adapter, limits, modality, raw, location)
             inputs: Any
             try:

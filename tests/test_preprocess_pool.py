@@ -186,6 +186,25 @@ def test_rows_written_into_a_reserved_slot_are_sent_without_a_copy():
     assert not list(SHM_DIR.glob(Path(prefix).name + "*"))
 
 
+def test_a_workers_task_puts_only_its_first_pixel_rows_in_the_slot():
+    """Two outputs of one task never share the reserved slot: the second gets a tensor of its own."""
+    from encode_server.preprocess_worker import _one_slot
+
+    prefix = str(SHM_DIR / f"encode-preprocess-test-{os.getpid()}-oneslot")
+    writer = SlotWriter(prefix, max_slots=2, max_bytes=8 << 20)
+    try:
+        allocate = _one_slot(writer)
+        first, second = allocate((100, 40)), allocate((100, 40))
+        first.fill_(1.0)
+        second.fill_(2.0)
+        assert torch.equal(first, torch.ones(100, 40)) and torch.equal(second, torch.full((100, 40), 2.0))
+        shared = writer.write({"pixel_values": first})
+        assert writer.bytes_copied == 0 and shared.slot is not None  # the first was in the slot already
+        del first
+    finally:
+        writer.close()
+
+
 def test_the_table_lookup_processor_writes_where_it_is_told(adapters):
     from processors.base import pixels_allocated_by
 
