@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from . import aligned_mlp
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from .packed_attention import use_packed_attention
 from .patch_embed import ItemPixelsForward, patches_as_matmul
 from .video_patches import VideoPatcher
 
@@ -42,6 +44,9 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
+        self.packed_attention = use_packed_attention(self.tower)
+        on_cuda = torch.device(device).type == "cuda"
+        self.padded_mlps = aligned_mlp.align_mlp_widths(self.tower) if on_cuda and aligned_mlp.enabled else 0
         self.image_processor = accelerated(image_processor)
         self.video = video
         self.image_size = image_size

@@ -23,9 +23,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from . import aligned_mlp
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .builtin import seeded
 from .family import Family
+from .packed_attention import use_packed_attention
 from .patch_embed import ItemPixelsForward, patches_as_matmul
 
 #: `Qwen2VLVideoProcessor`'s class defaults (transformers/models/qwen2_vl/video_processing_qwen2_vl.py), which
@@ -103,6 +105,9 @@ class QwenVisionAdapter(ItemPixelsForward, EncoderAdapter):
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
+        self.packed_attention = use_packed_attention(self.tower)
+        on_cuda = torch.device(device).type == "cuda"
+        self.padded_mlps = aligned_mlp.align_mlp_widths(self.tower) if on_cuda and aligned_mlp.enabled else 0
         self.image_processor = accelerated(image_processor)
         self.video = video or VideoSettings()
         self.device = device
