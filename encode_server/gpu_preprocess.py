@@ -37,6 +37,10 @@ def fast_twin(pil_processor: Any) -> Any:
     """The torchvision-backend image processor with the same settings as a PIL-backend one."""
     cls = pil_backend_class(pil_processor)
     module = cls.__module__
+    if ".image_processing_" in module and ".image_processing_pil_" not in module and \
+            not cls.__name__.endswith("Pil") and hasattr(pil_processor, "_preprocess"):
+        # Already the torchvision backend: `AutoImageProcessor` picks it where torchvision is installed.
+        return pil_processor
     if not cls.__name__.endswith("Pil") or ".image_processing_pil_" not in module:
         raise PreprocessDeviceError(f"{cls.__name__} is not a PIL-backend image processor with a fast twin")
     fast_module = importlib.import_module(module.replace(".image_processing_pil_", ".image_processing_"))

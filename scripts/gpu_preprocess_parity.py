@@ -46,7 +46,11 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     images = [camera_like(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
     failed = False
-    for name in ("tiny-qwen2.5-vl", "tiny-internvl", "tiny-qwen2-audio"):
+    # A checkpoint folder too: where torchvision is installed, `AutoImageProcessor` already gives the
+    # torchvision-backend processor, which must serve as its own fast twin (it was refused before).
+    from encode_server.bench.camera import camera_checkpoint
+
+    for name in ("tiny-qwen2.5-vl", "tiny-internvl", "tiny-qwen2-audio", str(camera_checkpoint())):
         adapter = load_adapter(name, "cpu", "float32")
         pil = getattr(adapter, "image_processor", None)
         if pil is None:
