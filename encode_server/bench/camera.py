@@ -41,15 +41,30 @@ from PIL import Image
 #: Qwen2.5-VL's own pixel limits (preprocessor_config.json of the published checkpoints).
 QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS = 3136, 12845056
 CAMERA_SIZES = ((1280, 720), (1920, 1080))
+#: Vision towers the checkpoint can carry: `tiny` (one windowed block, width 32: a small fraction of a camera
+#: image's preprocessing on a CPU, as a real tower's forward on a GPU would be) and `7b`, the published
+#: Qwen2.5-VL-7B vision tower's shape (32 blocks, width 1,280, full attention in blocks 7/15/23/31), for a GPU.
+VISION_TOWERS = {
+    "tiny": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
+                 fullatt_block_indexes=[]),
+    "7b": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+               fullatt_block_indexes=[7, 15, 23, 31]),
+}
 DEFAULT_CHECKPOINT = Path(tempfile.gettempdir()) / "encode-bench-camera-qwen2.5-vl-d1w32"
 
 
-def camera_checkpoint(folder: Path = DEFAULT_CHECKPOINT) -> Path:
-    """A tiny full Qwen2.5-VL checkpoint (fixed seed) with the real processor limits, saved once to `folder`.
+def checkpoint_folder(tower: str = "tiny") -> Path:
+    """Where `camera_checkpoint` keeps the checkpoint of `tower` (a key of `VISION_TOWERS`)."""
+    if tower == "tiny":
+        return DEFAULT_CHECKPOINT
+    return DEFAULT_CHECKPOINT.with_name(f"encode-bench-camera-qwen2.5-vl-{tower}")
 
-    Its tower (one windowed block, width 32) costs a small fraction of a camera image's preprocessing
-    on a CPU, as a real tower's forward on a GPU would; the server and the loops here load the same
-    folder, so they run the same weights."""
+
+def camera_checkpoint(folder: Path = DEFAULT_CHECKPOINT, tower: str = "tiny", device: str = "cpu") -> Path:
+    """A full Qwen2.5-VL checkpoint (fixed seed, random weights, a one-layer language model) with the real
+    processor limits and the vision tower `tower` of `VISION_TOWERS`, saved once to `folder`; `device` is where
+    the weights are drawn (a GPU draws the 7B tower's 670M in seconds). The server and the loops here load
+    the same folder, so they run the same weights."""
     if (folder / "config.json").is_file():
         return folder
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -59,13 +74,14 @@ def camera_checkpoint(folder: Path = DEFAULT_CHECKPOINT) -> Path:
         text_config=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[]),
+        vision_config=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           **VISION_TOWERS[tower]),
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(1234)
         model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    if tower != "tiny":
+        model = model.to(torch.bfloat16)  # half the bytes to write and load; the server computes in bf16 anyway
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(staging)
     Qwen2VLImageProcessorPil(min_pixels=QWEN25_MIN_PIXELS, max_pixels=QWEN25_MAX_PIXELS).save_pretrained(staging)
@@ -234,7 +250,8 @@ def workers_utilisation(before: list[dict], after: list[dict], wall: float) -> l
             for a, b in zip(after, before)]
 
 
-def run_service(images: list[bytes], workers: int, concurrency: int, requests: int, extra: list[str]) -> dict:
+def run_service(images: list[bytes], workers: int, concurrency: int, requests: int, extra: list[str],
+                checkpoint: Path | None = None) -> dict:
     """The HTTP server with `--preprocess-workers`, closed loop, one image per request, after a warm-up
     round of `concurrency` requests (as the other modes warm up first); the workers' utilisation comes
     from the server's `/v1/performance`."""
@@ -248,7 +265,8 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
 
     payloads = [base64.b64encode(data).decode() for data in images]
     # The images repeat round robin: the embedding cache would answer all but the first eight.
-    flags = ["--model", str(camera_checkpoint()), "--preprocess-workers", str(workers), "--cache-bytes", "0", *extra]
+    flags = ["--model", str(checkpoint or camera_checkpoint()), "--preprocess-workers", str(workers),
+             "--cache-bytes", "0", *extra]
     with ServerProcess(*flags, startup_timeout=600) as server:
         asyncio.run(closed_loop(server.url, "warm-up", concurrency, concurrency, "image", payloads))
         before, started = pool_stats(server.url), time.perf_counter()
@@ -262,20 +280,28 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="inprocess,pool",
                         help="comma-separated: stages, inprocess, pool, service")
-    parser.add_argument("--workers", type=int, default=0, help="pool workers (0: every core)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="preprocessing workers of pool and service modes (default: every core; service mode "
+                             "takes 0: preprocessing in the server process)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--images", type=int, default=8, help="distinct images, reused round robin")
     parser.add_argument("--concurrency", type=int, default=16, help="service mode: closed-loop clients")
     parser.add_argument("--requests", type=int, default=96, help="service mode: requests")
+    parser.add_argument("--tower", default="tiny", choices=sorted(VISION_TOWERS),
+                        help="service mode: the checkpoint's vision tower (7b: Qwen2.5-VL-7B's shape, for a GPU)")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="service mode: one more server flag (repeat), e.g. --server-arg=--preprocess-device=cuda")
     parser.add_argument("--out", help="append the results as JSON lines to this file")
     args = parser.parse_args(argv)
-    workers = args.workers or len(os.sched_getaffinity(0))
+    workers = len(os.sched_getaffinity(0)) if args.workers is None else args.workers
     images = camera_jpegs(args.images)
     results = []
     for mode in args.mode.split(","):
         if mode == "service":
-            result = run_service(images, workers, args.concurrency, args.requests, [])
+            device = "cuda" if args.tower != "tiny" and torch.cuda.is_available() else "cpu"
+            checkpoint = camera_checkpoint(checkpoint_folder(args.tower), args.tower, device)
+            result = run_service(images, workers, args.concurrency, args.requests, args.server_arg, checkpoint)
         else:
             adapter = camera_tower()
             if mode == "stages":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -45,7 +46,7 @@ class ServerProcess:
             [sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         )
-        ready = threading.Event()
+        ready, ready_line_seen = threading.Event(), threading.Event()
 
         def copy_output() -> None:
             """Copy the child's output to the log file; signal on its ready line or its exit."""
@@ -54,6 +55,7 @@ class ServerProcess:
                     sink.write(line)
                     sink.flush()
                     if line.startswith(READY_LINE):
+                        ready_line_seen.set()
                         ready.set()
             ready.set()
 
@@ -61,9 +63,15 @@ class ServerProcess:
         if not ready.wait(self.startup_timeout):
             self.__exit__(None, None, None)
             raise RuntimeError(f"server did not start within {self.startup_timeout:g} s:\n{self.log()}")
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-        response = httpx.get(self.url + "/health", timeout=10.0)
+        if not ready_line_seen.is_set():  # its output ended without the ready line: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
+            raise RuntimeError(f"server exited with {self.proc.poll()} before it was ready:\n{self.log()}")
+        try:
+            response = httpx.get(self.url + "/health", timeout=10.0)
+        except httpx.HTTPError as exc:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"server said it was ready but /health failed ({exc!r}):\n{self.log()}") from None
         if response.status_code != 200:
             self.__exit__(None, None, None)
             raise RuntimeError(f"server started but /health says {response.text}:\n{self.log()}")
