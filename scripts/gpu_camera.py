@@ -6,9 +6,10 @@ blocks 7/15/23/31), random weights with a fixed seed, bfloat16; the images are t
 
 - `forward`: the tower alone on the same batches the service forms (each image preprocessed on its own,
   then `forward_items`), per attention implementation: `loop` (transformers' SDPA, one call per window),
-  `grouped` (ours: one SDPA call per window length), `varlen` (ours: flash varlen over the packed rows),
-  and `varlen+aligned-mlp` (also the MLP width 3,420 zero-padded to 3,456, as the adapters do on CUDA),
-  with their distance from the first; both with the transfers (host pixels in, host rows out, as the
+  `grouped` (ours, the default: one SDPA call per window length), `varlen` (ours, off by default: flash
+  varlen over the packed rows), each also with the MLP width 3,420 zero-padded to 3,456 (`+aligned-mlp`,
+  as the adapters do on CUDA), with their distances from the first and from a float32 run of the same
+  weights (the smallest batch size only); both with the transfers (host pixels in, host rows out, as the
   server does) and on device-resident pixels (the compute alone).
 - `profile`: torch.profiler over one forward of eight images, the top kernels to `profile.txt`.
 - `service`: the HTTP server (`python -m encode_server.bench.camera --mode service --tower 7b`) closed loop
@@ -76,6 +77,15 @@ def timed_ms(call, repeats: int) -> list[float]:
     return times
 
 
+def float32_rows(adapter, pixels: list[torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+    """The same tower's rows in float32 (weights upcast, transformers' own per-segment loop): the reference
+    that tells the bf16 variants' rounding from a fault."""
+    tower = copy.deepcopy(adapter.tower).float()
+    tower.config._attn_implementation = "sdpa"
+    with torch.inference_mode():
+        return tower([p.float() for p in pixels], grid_thw=grid).pooler_output.float()
+
+
 def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repeats: int, out: str | None,
                  device: str = "cuda") -> None:
     from encode_server.decoding import MediaLimits, decode_bytes
@@ -91,6 +101,7 @@ def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repe
                 for i in range(largest)]
     # (attention implementation, varlen allowed, MLP widths padded); `loop` is transformers' own path.
     modes = {"loop": ("sdpa", False, False), "grouped": (packed_attention.PACKED_ATTENTION, False, False),
+             "grouped+aligned-mlp (the default)": (packed_attention.PACKED_ATTENTION, False, True),
              "varlen": (packed_attention.PACKED_ATTENTION, True, False),
              "varlen+aligned-mlp": (packed_attention.PACKED_ATTENTION, True, True)}
     padded = None  # the same weights with the MLP widths padded (`processors/aligned_mlp.py`), made on demand
@@ -100,6 +111,7 @@ def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repe
         on_device = [item.inputs["pixel_values"].to(device, adapter.dtype) for item in batch]
         grid = torch.cat([item.inputs["grid_thw"] for item in batch]).to(device)
         reference = None
+        exact = float32_rows(adapter, on_device, grid) if size == min(batch_sizes) else None
         for mode, (implementation, varlen, aligned) in modes.items():
             if mode == "loop" and size > 8:
                 continue  # seconds per call; batch 8 shows it
@@ -121,6 +133,7 @@ def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repe
             if reference is None:
                 reference = rows
             distance = float((rows - reference).norm() / reference.norm())
+            from_float32 = None if exact is None else float((rows - exact).norm() / exact.norm())
             emit({"part": "forward", "batch": size, "attention": mode, "rows_in": rows_in,
                   "rows_out": int(rows.shape[0]), "padded_mlps": runner.padded_mlps,
                   "compute_ms": statistics.median(compute),
@@ -128,11 +141,11 @@ def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repe
                   "with_transfers_ms": statistics.median(full),
                   "with_transfers_images_per_s": size / statistics.median(full) * 1e3,
                   "spread_ms": [round(min(full), 1), round(max(full), 1)],
-                  "relative_distance_from_first": distance,
+                  "relative_distance_from_first": distance, "relative_distance_from_float32": from_float32,
                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None},
                  out)
     adapter.tower.config._attn_implementation = packed_attention.PACKED_ATTENTION
-    packed_attention.use_varlen = True
+    packed_attention.use_varlen = False
     # The transfers alone, as `forward_items` makes them: fp32 pixels to bf16 on the GPU, rows back.
     pixels = [item.inputs["pixel_values"] for item in prepared[:8]]
     h2d = timed_ms(lambda: [p.to(device, adapter.dtype, non_blocking=True) for p in pixels], repeats)
