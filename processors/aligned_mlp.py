@@ -6,7 +6,8 @@ bfloat16 kernels of cuBLAS cannot take. On an H100, with the 7B tower on eight c
 matrix multiplies fell back to Ampere-generation kernels and took 46% of the tower's GPU time
 (`scripts/gpu_camera.py --parts profile`).
 
-`align_mlp_widths` pads such a width up to a multiple of 64: the first linear(s) get zero output rows
+`align_mlp_widths` pads such a width (one that is not a multiple of 8; Qwen3-VL's 4,304 and GLM-4V's
+13,696 are left alone) up to a multiple of 64: the first linear(s) get zero output rows
 (zero bias), the last one zero input columns. A padded unit's output is multiplied by a zero column,
 so it adds exact zeros whatever the activation makes of it; the MLP computes the same function, up to
 the summation order the faster kernels choose. Parameter names stay; their shapes grow, so it runs
@@ -43,8 +44,9 @@ def _grow(linear: torch.nn.Linear, dim: int, width: int) -> None:
         linear.in_features = width
 
 
-def align_mlp_widths(tower: torch.nn.Module, multiple: int = 64) -> int:
-    """Pad every MLP of `tower` whose hidden width is not a multiple of `multiple`; returns how many."""
+def align_mlp_widths(tower: torch.nn.Module, multiple: int = 64, needed: int = 8) -> int:
+    """Pad every MLP of `tower` whose hidden width is not a multiple of `needed` (what the fast bf16 kernels
+    need) up to a multiple of `multiple`; returns how many."""
     padded = 0
     for module in tower.modules():
         for inputs, output in MLP_LAYOUTS:
@@ -53,7 +55,7 @@ def align_mlp_widths(tower: torch.nn.Module, multiple: int = 64) -> int:
                 continue
             *into, out_of = linears
             width = out_of.in_features
-            if width % multiple == 0 or any(linear.out_features != width for linear in into):
+            if width % needed == 0 or any(linear.out_features != width for linear in into):
                 continue
             aligned = -(-width // multiple) * multiple
             with torch.no_grad():

@@ -89,7 +89,7 @@ def odd_width_qwen2_tower():
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-    config = Qwen2VLVisionConfig(depth=2, embed_dim=48, hidden_size=64, mlp_ratio=2, num_heads=4)  # width 96
+    config = Qwen2VLVisionConfig(depth=2, embed_dim=36, hidden_size=64, mlp_ratio=3, num_heads=3)  # width 108
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return Qwen2VisionTransformerPretrainedModel._from_config(config).eval()
@@ -98,7 +98,7 @@ def odd_width_qwen2_tower():
 @pytest.mark.parametrize("build, mlp_names", [(odd_width_qwen25_tower, ("gate_proj", "up_proj", "down_proj")),
                                                (odd_width_qwen2_tower, ("fc1", "fc2"))])
 def test_padded_mlp_widths_compute_the_same_rows(build, mlp_names):
-    """Widths of 100 and 96 padded to 128 with zeros (gated and plain MLPs): every block padded, same rows."""
+    """Widths of 100 and 108 padded to 128 with zeros (gated and plain MLPs): every block padded, same rows."""
     tower = build()
     padded = copy.deepcopy(tower)
     assert align_mlp_widths(padded) == len(tower.blocks)
@@ -118,3 +118,14 @@ def test_aligned_widths_and_cpu_adapters_are_left_alone():
     adapter = load_adapter("tiny-qwen2.5-vl", "cpu", "float32")
     assert adapter.padded_mlps == 0  # only on CUDA
     assert align_mlp_widths(adapter.tower) == 0  # width 256: already a multiple of 64
+    # A multiple of 8 (Qwen3-VL's 4,304 is one) already suits the fast kernels: left alone.
+    tower = odd_width_qwen25_tower()
+    for block in tower.blocks:
+        for name in ("gate_proj", "up_proj"):
+            linear = getattr(block.mlp, name)
+            linear.weight = torch.nn.Parameter(linear.weight.detach()[:96])
+            linear.bias = torch.nn.Parameter(linear.bias.detach()[:96])
+            linear.out_features = 96
+        block.mlp.down_proj.weight = torch.nn.Parameter(block.mlp.down_proj.weight.detach()[:, :96])
+        block.mlp.down_proj.in_features = 96
+    assert align_mlp_widths(tower) == 0
