@@ -186,7 +186,7 @@ def create_app(settings: Settings, adapter=None, group=None):
     async def lifespan(app: FastAPI):
         encoder = adapter or await asyncio.to_thread(load_adapter, settings.model, settings.device, settings.dtype)
         await asyncio.to_thread(encoder.warmup)
-        service = EncoderService(settings, encoder, group)
+        service = EncoderService(settings, encoder, group, scheduler_thread=True)
         await service.start()
         app.state.service = service
         # The model and its libraries leave ~a million long-lived objects; frozen, full collections
@@ -248,7 +248,7 @@ def create_app(settings: Settings, adapter=None, group=None):
 
     @app.get("/v1/performance")
     async def performance(request: Request) -> JSONResponse:
-        return JSONResponse(request.app.state.service.performance())
+        return JSONResponse(await request.app.state.service.performance())
 
     served = EncodeFastPath(app, settings.max_request_bytes)
     return ApiKeyMiddleware(served, settings.api_key) if settings.api_key else served

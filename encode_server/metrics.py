@@ -171,10 +171,11 @@ class ServerMetrics:
             buckets=SECONDS_BUCKETS, registry=r)
         self.pending = Gauge("encoder_pending_requests", "Admitted but unfinished requests", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting in the scheduler queue", registry=r)
+        # loop="http": the HTTP server's loop; loop="scheduler": the scheduler's own (scheduler_thread.py).
         self.loop_lag = Gauge("encoder_event_loop_lag_seconds",
-                              "How late the event loop ran its last 100 ms timer", registry=r)
+                              "How late an event loop ran its last 100 ms timer", ["loop"], registry=r)
         self.loop_lag_ticks = Histogram(
-            "encoder_event_loop_tick_lag_seconds", "How late each 100 ms event-loop timer ran",
+            "encoder_event_loop_tick_lag_seconds", "How late each 100 ms event-loop timer ran", ["loop"],
             buckets=LAG_BUCKETS, registry=r)
         self.healthy = Gauge("encoder_healthy", "1 when the last health probe passed and the server is not draining",
                              registry=r)
@@ -215,9 +216,10 @@ class ServerMetrics:
         self.parked_bytes.set_function(lambda: read()[0])
         self.parked_embeddings.set_function(lambda: read()[1])
 
-    def loop_lag_monitor(self) -> LoopLagMonitor:
-        """The monitor that feeds `encoder_event_loop_lag_seconds` and its per-tick histogram."""
-        return LoopLagMonitor(self.loop_lag, histogram=self.loop_lag_ticks)
+    def loop_lag_monitor(self, loop: str) -> LoopLagMonitor:
+        """The monitor that feeds `encoder_event_loop_lag_seconds` and its per-tick histogram for `loop`
+        ("http" or "scheduler"); start it on that loop."""
+        return LoopLagMonitor(self.loop_lag.labels(loop), histogram=self.loop_lag_ticks.labels(loop))
 
     def record_housekeeping(self, released_bytes: int, collect_s: float, trim_s: float) -> None:
         """Called from the housekeeping thread (prometheus_client's metrics are thread-safe)."""

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .clock import Clock, MonotonicClock
 from .cost_model import CostModel
@@ -33,6 +33,9 @@ from .metrics import ServerMetrics
 from .policy import BatchPolicy, Dispatch, QueuedView, decide
 from .policy_queue import ModalityQueues
 from .records import EncodedPart, EncodeError, EncodeJob
+
+if TYPE_CHECKING:
+    from .scheduler_thread import Mailbox
 
 log = logging.getLogger("encode_server.scheduler")
 
@@ -77,10 +80,20 @@ class EncoderScheduler:
         self._in_flight = 0
         self._batches: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
+        self._mailbox: Mailbox | None = None
+
+    def use_mailbox(self, mailbox: Mailbox) -> None:
+        """Run what other threads post to `mailbox` before each decision (`SchedulerThread`); such posts
+        wake the scheduler only while it has room for a batch (at capacity it waits for one to finish)."""
+        self._mailbox = mailbox
+
+    def wake(self) -> None:
+        """Look at the queues again now (from this loop)."""
+        self._wake.set()
 
     @property
     def queue_depth(self) -> int:
-        return len(self._inbox) + len(self._queues)
+        return len(self._inbox) + len(self._queues) + (len(self._mailbox) if self._mailbox is not None else 0)
 
     @property
     def batches_in_flight(self) -> int:
@@ -160,9 +173,13 @@ class EncoderScheduler:
                     timeout = max(0.0, decision.until - now)
                 break
             self.metrics.queue_depth.set(self.queue_depth)
+            if self._mailbox is not None and not self._mailbox.listen(self._in_flight < self.max_in_flight):
+                continue  # posted meanwhile: run it first
             await self.clock.wait(self._wake, timeout)
 
     def _absorb_inbox(self) -> None:
+        if self._mailbox is not None:
+            self._mailbox.run_pending()  # submissions and cancellations from other threads, in order
         while self._inbox:
             pending = self._inbox.popleft()
             if pending.job.probe:

@@ -39,6 +39,7 @@ from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from .records import EncodedPart, EncodeError, EncodeJob, PartMeta
 from .responses import encode_response
 from .scheduler import EncoderScheduler
+from .scheduler_thread import SchedulerThread
 from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from .settings import Settings
 from .sglang_registry import SglangRegistry, advertised_url, registry_urls
@@ -105,10 +106,14 @@ def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: Me
 
 
 class EncoderService:
-    """Everything one server process needs to answer `/encode`. Must be built on the running loop."""
+    """Everything one server process needs to answer `/encode`. Must be built on the running loop.
+
+    With `scheduler_thread` (as the server runs it) the engine and the scheduler run on an event loop of
+    their own (`scheduler_thread.SchedulerThread`), so HTTP work never delays a batch; without it, on
+    this loop (the in-process tests, whose fake clock steps one loop)."""
 
     def __init__(self, settings: Settings, adapter: EncoderAdapter, group: WorkerGroup | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, scheduler_thread: bool = False) -> None:
         self.settings = settings
         self.adapter = adapter
         self.group = group
@@ -133,21 +138,31 @@ class EncoderService:
             lambda meta, loaded, decode_s, priority: self._submit(
                 meta, loaded, decode_s, self.clock.now() + settings.req_timeout_s, priority),
         ) if self.cache.enabled else None
-        replicas = None
-        if group is not None and group.role == "dp":
-            replicas = DataParallelReplicas(group, asyncio.get_running_loop())
-        self.engine = EncoderEngine(adapter, self.metrics, replicas, self.preprocess_pool)
-        self.scheduler = EncoderScheduler(self.engine, batch_policy(settings), self.metrics,
-                                          max_in_flight=2 * settings.dp_size, clock=self.clock)
+        self.engine: EncoderEngine
+        self._loop_lag = [self.metrics.loop_lag_monitor("http")]
+        self.scheduler: EncoderScheduler | SchedulerThread
+        if scheduler_thread:
+            self.scheduler = SchedulerThread(self._build_scheduler)
+            self._loop_lag.append(self.metrics.loop_lag_monitor("scheduler"))
+        else:
+            self.scheduler = self._build_scheduler()
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
         self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
-        self._loop_lag = self.metrics.loop_lag_monitor()
         self.registry = SglangRegistry(registry_urls(settings.register_with),
                                        advertised_url(settings.host, settings.port, settings.advertise_url)
                                        ) if settings.register_with else None
         self._withdrawal: asyncio.Task | None = None
+
+    def _build_scheduler(self) -> EncoderScheduler:
+        """The engine and the scheduler, on the loop they will run on (the running one)."""
+        replicas = None
+        if self.group is not None and self.group.role == "dp":
+            replicas = DataParallelReplicas(self.group, asyncio.get_running_loop())
+        self.engine = EncoderEngine(self.adapter, self.metrics, replicas, self.preprocess_pool)
+        return EncoderScheduler(self.engine, batch_policy(self.settings), self.metrics,
+                                max_in_flight=2 * self.settings.dp_size, clock=self.clock)
 
     @property
     def pending(self) -> int:
@@ -162,7 +177,9 @@ class EncoderService:
             loop = asyncio.get_running_loop()
             self.group.on_death(lambda worker: loop.call_soon_threadsafe(self._rank_died, worker))
         self.scheduler.start()
-        self._loop_lag.start()
+        self._loop_lag[0].start()
+        if isinstance(self.scheduler, SchedulerThread):
+            self.scheduler.call(self._loop_lag[1].start).result()
         self.health.verdict()  # the first probe starts now, in the background
         if self.registry is not None:
             self.registry.start()
@@ -170,9 +187,9 @@ class EncoderService:
     async def stop(self) -> None:
         if self.registry is not None:
             await (self._withdrawal or self.registry.withdraw())
-        self._loop_lag.stop()
+        self._loop_lag[0].stop()
         await self.health.close()
-        await self.scheduler.stop()
+        await self.scheduler.stop()  # the scheduler's own loop, with its lag monitor, stops with it
         await self.delivery.close()
         await self.media.close()
         if self.group is not None:
@@ -277,7 +294,11 @@ class EncoderService:
 
     def _rank_died(self, worker) -> None:
         if self.engine.replicas is not None:
-            self.engine.replicas.replica_died(worker.rank)  # its batches are retried on the others
+            # Its batches are retried on the others; the replicas live on the scheduler's loop.
+            if isinstance(self.scheduler, SchedulerThread):
+                self.scheduler.call(self.engine.replicas.replica_died, worker.rank)
+            else:
+                self.engine.replicas.replica_died(worker.rank)
             return
         self.admission.broken = (f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited; "
                                  f"this server cannot encode until it is restarted")
@@ -313,6 +334,15 @@ class EncoderService:
         """Fail every request still waiting for a batch (503), e.g. when a drain times out."""
         self.scheduler.fail_queued(message)
 
+    def _costs_summary(self) -> dict[str, dict]:
+        """The cost model as learned so far (read where the scheduler runs)."""
+        return self._queue_owner.costs.summary(self.settings.max_batch_size, self.clock.now())
+
+    @property
+    def _queue_owner(self) -> EncoderScheduler:
+        """The `EncoderScheduler` itself, wherever it runs."""
+        return self.scheduler.scheduler if isinstance(self.scheduler, SchedulerThread) else self.scheduler
+
     def server_info(self) -> dict[str, Any]:
         info = self.adapter.info
         return {
@@ -328,9 +358,11 @@ class EncoderService:
             "uptime_s": time.time() - self.started_at,
         }
 
-    def performance(self) -> dict[str, Any]:
+    async def performance(self) -> dict[str, Any]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
-        summary["cost_model"] = self.scheduler.costs.summary(self.settings.max_batch_size, self.clock.now())
+        costs = self._costs_summary
+        summary["cost_model"] = (await self.scheduler.run(costs) if isinstance(self.scheduler, SchedulerThread)
+                                 else costs())
         stats = self.cache.stats
         summary["cache"] = {"enabled": self.cache.enabled, "capacity_bytes": self.cache.capacity_bytes,
                             "bytes": self.cache.bytes_held, "entries": len(self.cache), "hits": stats.hits,

@@ -66,6 +66,11 @@ def test_metrics_move_under_load_with_millisecond_buckets(server):
     assert sample(after, "encoder_embedding_bytes_sent", "encoder_embedding_bytes_sent_total") >= 24 * 4 * 128 * 4
     assert sample(after, "encoder_pending_requests") == 0
     assert "encoder_event_loop_lag_seconds" in after and "encoder_queue_depth" in after
+    # Both loops are watched: the HTTP server's and the scheduler's own (each ticks every 100 ms).
+    for loop in ("http", "scheduler"):
+        ticks = sample(after, "encoder_event_loop_tick_lag_seconds", "encoder_event_loop_tick_lag_seconds_count",
+                       loop=loop)
+        assert ticks > 0, loop
     assert sample(after, "encoder_healthy") == 1
 
 
