@@ -31,12 +31,17 @@ from scripts.rss_soak import mix_images  # noqa: E402
 HISTOGRAM = "encoder_event_loop_tick_lag_seconds"
 
 
-async def lag_buckets(session: aiohttp.ClientSession, url: str) -> dict[str, dict[float, float]]:
-    """Cumulative bucket counts of the lag histogram, by loop ("http", "scheduler") and upper bound."""
+async def lag_buckets(session: aiohttp.ClientSession, url: str) -> dict[str, dict]:
+    """Cumulative bucket counts of the lag histogram, by loop ("http", "scheduler") and upper bound; and
+    under "batches", the count and sum of `encoder_batch_size` (forwards, and requests fused in them)."""
     async with session.get(url + "/metrics") as response:
         text = await response.text()
     loops: dict[str, dict[float, float]] = {}
     for line in text.splitlines():
+        for name in ("encoder_batch_size_count", "encoder_batch_size_sum"):  # fused forwards, requests in them
+            if line.startswith(name + "{"):
+                loops.setdefault("batches", {}).setdefault(name.rsplit("_", 1)[1], 0.0)
+                loops["batches"][name.rsplit("_", 1)[1]] += float(line.rsplit(" ", 1)[1])
         if line.startswith(HISTOGRAM + "_bucket{"):
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             loop = line.split('loop="', 1)[1].split('"', 1)[0] if 'loop="' in line else "event"
@@ -103,8 +108,12 @@ def summarise(round_index: int, count: int, statuses: dict[str, int], elapsed: f
         "latency_p50_s": round(latencies[len(latencies) // 2], 3),
         "latency_p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
     }
+    batches = {key: after["batches"][key] - before["batches"][key] for key in ("count", "sum")}
+    summary["forwards"] = int(batches["count"])
+    summary["mean_batch_size"] = round(batches["sum"] / max(1.0, batches["count"]), 2)
     for loop, loop_after in sorted(after.items()):
-        summary[loop + "_loop"] = loop_summary(before.get(loop, {}), loop_after)
+        if loop != "batches":
+            summary[loop + "_loop"] = loop_summary(before.get(loop, {}), loop_after)
     return summary
 
 
