@@ -65,6 +65,15 @@ async def settle(rounds: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+async def until(condition, seconds: float = 10.0) -> None:
+    """Wait (really) until `condition()` holds: for work that runs in real threads."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
 class FakeEngine:
     """Records each batch it is given; answers each job with `tokens` rows of its index, or holds the
     batch until `release()` when `hold` is set."""

@@ -16,7 +16,7 @@ from encode_server.records import EncodeError
 from encode_server.scheduler import EncoderScheduler
 from encode_server.scheduler_thread import Mailbox, SchedulerThread
 
-from .fakes import FakeEngine, job
+from .fakes import FakeEngine, job, until
 
 
 class RecordingEngine(FakeEngine):
@@ -38,14 +38,6 @@ def threaded(engine: RecordingEngine, policy: BatchPolicy | None = None, max_in_
                                                          max_in_flight=max_in_flight))
     scheduler.start()
     return scheduler
-
-
-async def until(condition, seconds: float = 5.0) -> None:
-    for _ in range(int(seconds / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
 
 
 def test_mailbox_runs_posts_in_order_with_one_wake_up_per_burst():
@@ -95,72 +87,64 @@ def test_mailbox_keeps_the_order_of_posts_from_many_threads():
     loop.close()
 
 
-async def test_jobs_run_on_the_scheduler_thread_and_results_come_back_to_the_caller():
-    engine = RecordingEngine(hold=True)
-    scheduler = threaded(engine)
-    try:
-        first = scheduler.submit(job("a"), deadline=time.monotonic() + 10)
-        await until(lambda: len(engine.batches) == 1)
-        rest = [scheduler.submit(job(name), deadline=time.monotonic() + 10) for name in "bcd"]
-        await until(lambda: scheduler.queue_depth == 3)
-        scheduler.call(engine.release)  # its gate lives on the scheduler's loop
-        parts = await asyncio.gather(first, *rest)
-        assert engine.batches == [["a"], ["b", "c", "d"]]  # what queued behind the busy engine was fused
-        assert [part.batch_size for part in parts] == [1, 3, 3, 3]
-        assert set(engine.threads) == {"encoder-scheduler"}
-        assert threading.current_thread().name != "encoder-scheduler"
-    finally:
-        await scheduler.stop()
-
-
-async def test_a_cancelled_caller_never_reaches_the_engine():
-    engine = RecordingEngine(hold=True)
-    scheduler = threaded(engine)
-    try:
-        busy = scheduler.submit(job("busy"), deadline=time.monotonic() + 10)
-        await until(lambda: len(engine.batches) == 1)
-        gone = scheduler.submit(job("gone"), deadline=time.monotonic() + 10)
-        kept = scheduler.submit(job("kept"), deadline=time.monotonic() + 10)
-        gone.cancel()
-        await asyncio.sleep(0.05)
-        scheduler.call(engine.release)
-        await asyncio.gather(busy, kept)
-        assert engine.batches == [["busy"], ["kept"]]
-    finally:
-        await scheduler.stop()
-
-
-async def test_eviction_at_the_cap_answers_from_the_scheduler_thread():
-    engine = RecordingEngine(hold=True)
-    scheduler = threaded(engine)
-    try:
-        busy = scheduler.submit(job("busy"), deadline=time.monotonic() + 10)
-        await until(lambda: len(engine.batches) == 1)
-        low = scheduler.submit(job("low"), deadline=time.monotonic() + 10, priority=0)
-        assert scheduler.evict_for(0) is False  # nothing of lower priority than 0
-        assert scheduler.evict_for(2) is True
-        with pytest.raises(EncodeError) as raised:
-            await low
-        assert raised.value.status == 503 and "evicted" in raised.value.message
-        scheduler.call(engine.release)
-        await busy
-    finally:
-        await scheduler.stop()
-
-
-async def test_stop_fails_what_is_queued_and_later_submissions_with_503():
+@pytest.fixture
+async def held():
+    """A started `SchedulerThread` whose holding engine is busy with a batch of one: (engine, scheduler,
+    that batch's future). Release the engine with `scheduler.call(engine.release)` (its gate lives on the
+    scheduler's loop)."""
     engine = RecordingEngine(hold=True)
     scheduler = threaded(engine)
     busy = scheduler.submit(job("busy"), deadline=time.monotonic() + 10)
     await until(lambda: len(engine.batches) == 1)
-    queued = scheduler.submit(job("queued"), deadline=time.monotonic() + 10)
-    await asyncio.sleep(0.02)
-    scheduler.call(engine.release)
+    yield engine, scheduler, busy
     await scheduler.stop()
-    await busy  # a running batch finishes
+
+
+async def test_jobs_run_on_the_scheduler_thread_and_results_come_back_to_the_caller(held):
+    engine, scheduler, busy = held
+    rest = [scheduler.submit(job(name), deadline=time.monotonic() + 10) for name in "bcd"]
+    await until(lambda: scheduler.queue_depth == 3)
+    scheduler.call(engine.release)
+    parts = await asyncio.gather(busy, *rest)
+    assert engine.batches == [["busy"], ["b", "c", "d"]]  # what queued behind the busy engine was fused
+    assert [part.batch_size for part in parts] == [1, 3, 3, 3]
+    assert set(engine.threads) == {"encoder-scheduler"}
+    assert threading.current_thread().name != "encoder-scheduler"
+
+
+async def test_a_cancelled_caller_never_reaches_the_engine(held):
+    engine, scheduler, busy = held
+    gone = scheduler.submit(job("gone"), deadline=time.monotonic() + 10)
+    kept = scheduler.submit(job("kept"), deadline=time.monotonic() + 10)
+    gone.cancel()
+    await asyncio.sleep(0.05)
+    scheduler.call(engine.release)
+    await asyncio.gather(busy, kept)
+    assert engine.batches == [["busy"], ["kept"]]
+
+
+async def test_eviction_at_the_cap_answers_from_the_scheduler_thread(held):
+    engine, scheduler, busy = held
+    low = scheduler.submit(job("low"), deadline=time.monotonic() + 10, priority=0)
+    assert scheduler.evict_for(0) is False  # nothing of lower priority than 0
+    assert scheduler.evict_for(2) is True
     with pytest.raises(EncodeError) as raised:
-        await queued
+        await low
+    assert raised.value.status == 503 and "evicted" in raised.value.message
+    scheduler.call(engine.release)
+    await busy
+
+
+async def test_stop_fails_what_is_queued_and_later_submissions_with_503(held):
+    engine, scheduler, busy = held
+    queued = scheduler.submit(job("queued"), deadline=time.monotonic() + 10)
+    stopping = asyncio.ensure_future(scheduler.stop())
+    with pytest.raises(EncodeError) as raised:
+        await queued  # failed at once, while the running batch goes on
     assert raised.value.status == 503
+    scheduler.call(engine.release)
+    await stopping
+    await busy  # the running batch finished
     with pytest.raises(EncodeError) as late:
         await scheduler.submit(job("late"), deadline=time.monotonic() + 10)
     assert late.value.status == 503 and not scheduler.running

@@ -21,7 +21,7 @@ from encode_server.service import EncoderService
 from encode_server.settings import Settings
 from processors import load_adapter
 
-from .fakes import FakeClock, settle
+from .fakes import FakeClock, settle, until
 from .helpers import image_b64
 
 #: Holds every request (min batch never reached) until the fake clock passes 2.5 + 0.5 s. The embedding
@@ -68,15 +68,6 @@ def forwards(service: EncoderService) -> float:
 def requests(service: EncoderService, status: str) -> float:
     value = service.metrics.registry.get_sample_value("encoder_requests_total", {"modality": "image", "status": status})
     return value or 0.0
-
-
-async def until(condition, seconds: float = 10.0) -> None:
-    """Wait (really) until `condition()` holds: decoding runs in real threads."""
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def test_a_lone_request_waits_max_wait_then_the_hard_timeout_releases_it(holding):
