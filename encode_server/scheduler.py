@@ -21,11 +21,12 @@ request at once, and a busy one collects the next batch meanwhile.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .clock import Clock, MonotonicClock
 from .cost_model import CostModel
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .scheduler_thread import Mailbox
 
 log = logging.getLogger("encode_server.scheduler")
+T = TypeVar("T")
 
 
 class Engine(Protocol):
@@ -90,6 +92,20 @@ class EncoderScheduler:
     def wake(self) -> None:
         """Look at the queues again now (from this loop)."""
         self._wake.set()
+
+    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Run `fn(*args)` where the scheduler runs: here, at once. (`SchedulerThread` offers the same calls
+        on its own loop, so the service treats both alike.)"""
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            result.set_result(fn(*args))
+        except Exception as exc:
+            result.set_exception(exc)
+        return result
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`call`, awaited."""
+        return fn(*args)
 
     @property
     def queue_depth(self) -> int:

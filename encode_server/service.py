@@ -26,6 +26,7 @@ from processors.dtypes import DTYPE_NAMES
 from .admission import Admission
 from .cached_encoding import CachedEncoding, cache_capacity, item_keys
 from .clock import Clock, MonotonicClock
+from .cost_model import CostModel
 from .decoding import MediaError, MediaLimits
 from .delivery import Delivery, NativeWire, WireFormat
 from .embedding_cache import EmbeddingCache
@@ -139,13 +140,10 @@ class EncoderService:
                 meta, loaded, decode_s, self.clock.now() + settings.req_timeout_s, priority),
         ) if self.cache.enabled else None
         self.engine: EncoderEngine
-        self._loop_lag = [self.metrics.loop_lag_monitor("http")]
-        self.scheduler: EncoderScheduler | SchedulerThread
-        if scheduler_thread:
-            self.scheduler = SchedulerThread(self._build_scheduler)
-            self._loop_lag.append(self.metrics.loop_lag_monitor("scheduler"))
-        else:
-            self.scheduler = self._build_scheduler()
+        self.costs = CostModel()
+        self.scheduler: EncoderScheduler | SchedulerThread = (
+            SchedulerThread(self._build_scheduler) if scheduler_thread else self._build_scheduler())
+        self._loop_lag = {loop: self.metrics.loop_lag_monitor(loop) for loop in ("http", "scheduler")}
         # Registrations live as long as a request may: the send timeout bounds how late one may come.
         self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
@@ -162,7 +160,7 @@ class EncoderService:
             replicas = DataParallelReplicas(self.group, asyncio.get_running_loop())
         self.engine = EncoderEngine(self.adapter, self.metrics, replicas, self.preprocess_pool)
         return EncoderScheduler(self.engine, batch_policy(self.settings), self.metrics,
-                                max_in_flight=2 * self.settings.dp_size, clock=self.clock)
+                                max_in_flight=2 * self.settings.dp_size, clock=self.clock, costs=self.costs)
 
     @property
     def pending(self) -> int:
@@ -177,9 +175,8 @@ class EncoderService:
             loop = asyncio.get_running_loop()
             self.group.on_death(lambda worker: loop.call_soon_threadsafe(self._rank_died, worker))
         self.scheduler.start()
-        self._loop_lag[0].start()
-        if isinstance(self.scheduler, SchedulerThread):
-            self.scheduler.call(self._loop_lag[1].start).result()
+        self._loop_lag["http"].start()
+        self.scheduler.call(self._loop_lag["scheduler"].start).result()  # on its loop (this one, without a thread)
         self.health.verdict()  # the first probe starts now, in the background
         if self.registry is not None:
             self.registry.start()
@@ -187,9 +184,10 @@ class EncoderService:
     async def stop(self) -> None:
         if self.registry is not None:
             await (self._withdrawal or self.registry.withdraw())
-        self._loop_lag[0].stop()
+        self._loop_lag["http"].stop()
+        await self.scheduler.run(self._loop_lag["scheduler"].stop)
         await self.health.close()
-        await self.scheduler.stop()  # the scheduler's own loop, with its lag monitor, stops with it
+        await self.scheduler.stop()
         await self.delivery.close()
         await self.media.close()
         if self.group is not None:
@@ -295,10 +293,7 @@ class EncoderService:
     def _rank_died(self, worker) -> None:
         if self.engine.replicas is not None:
             # Its batches are retried on the others; the replicas live on the scheduler's loop.
-            if isinstance(self.scheduler, SchedulerThread):
-                self.scheduler.call(self.engine.replicas.replica_died, worker.rank)
-            else:
-                self.engine.replicas.replica_died(worker.rank)
+            self.scheduler.call(self.engine.replicas.replica_died, worker.rank)
             return
         self.admission.broken = (f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited; "
                                  f"this server cannot encode until it is restarted")
@@ -334,15 +329,6 @@ class EncoderService:
         """Fail every request still waiting for a batch (503), e.g. when a drain times out."""
         self.scheduler.fail_queued(message)
 
-    def _costs_summary(self) -> dict[str, dict]:
-        """The cost model as learned so far (read where the scheduler runs)."""
-        return self._queue_owner.costs.summary(self.settings.max_batch_size, self.clock.now())
-
-    @property
-    def _queue_owner(self) -> EncoderScheduler:
-        """The `EncoderScheduler` itself, wherever it runs."""
-        return self.scheduler.scheduler if isinstance(self.scheduler, SchedulerThread) else self.scheduler
-
     def server_info(self) -> dict[str, Any]:
         info = self.adapter.info
         return {
@@ -360,9 +346,9 @@ class EncoderService:
 
     async def performance(self) -> dict[str, Any]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
-        costs = self._costs_summary
-        summary["cost_model"] = (await self.scheduler.run(costs) if isinstance(self.scheduler, SchedulerThread)
-                                 else costs())
+        # Read where the scheduler updates it, on its loop.
+        summary["cost_model"] = await self.scheduler.run(self.costs.summary, self.settings.max_batch_size,
+                                                         self.clock.now())
         stats = self.cache.stats
         summary["cache"] = {"enabled": self.cache.enabled, "capacity_bytes": self.cache.capacity_bytes,
                             "bytes": self.cache.bytes_held, "entries": len(self.cache), "hits": stats.hits,

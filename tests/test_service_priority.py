@@ -64,7 +64,7 @@ async def test_at_the_cap_a_higher_priority_request_evicts_the_newest_lowest_one
 
 async def test_performance_shows_the_cost_model(holding):
     service, _ = holding
-    service.scheduler.costs.observe_batch("image", 1, 4, 0.002)
+    service.costs.observe_batch("image", 1, 4, 0.002)
     summary = await service.performance()
     assert summary["cost_model"]["image"]["learned"] is False
     assert summary["cost_model"]["image"]["batches_seen"] >= 1
