@@ -13,6 +13,10 @@ the forward time of every fused batch, which `--max-wait-ms auto` and the promot
 At the admission cap, `evict_for(priority)` makes room for a higher-priority newcomer by failing
 the queued request the policy would serve last (503 with Retry-After).
 
+In the server it runs on an event loop of its own, in its own thread (`scheduler_thread.SchedulerThread`):
+submissions and cancellations from the HTTP loop arrive through a `Mailbox` it drains before each
+decision, and wake it only while it has room for a batch.
+
 Room for a batch: at most `max_in_flight` batches are between dispatch and the end of their
 forward (default 2: one in the forward, the next one preprocessing). So an idle encoder takes a
 request at once, and a busy one collects the next batch meanwhile.

@@ -25,8 +25,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from encode_server.bench.launcher import ServerProcess  # noqa: E402
 from encode_server.bench.load import closed_loop, make_payloads  # noqa: E402
+from encode_server.bench.pinned import pinned_server  # noqa: E402
 
 
 def process_cpu_s(pid: int) -> float:
@@ -51,25 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--server-flag", action="append", default=[], help="extra encode-server flag (repeatable)")
     args = parser.parse_args(argv)
     payloads = make_payloads("image", 32, args.image_size)
-    own = os.sched_getaffinity(0)
     flags = ["--model", "tiny-qwen2.5-vl", "--max-batch-size", "32", "--cache-bytes", "0",
              *(part for flag in args.server_flag for part in flag.split())]
-    if args.pin:
-        os.sched_setaffinity(0, {0})  # the server and its threads inherit this
-        flags += ["--cpu-threads", "1"]
-    try:
-        server = ServerProcess(*flags, startup_timeout=300).__enter__()
-    finally:
-        os.sched_setaffinity(0, {1} if args.pin else own)
-    try:
+    with pinned_server(0 if args.pin else None, 1 if args.pin else None, *flags) as server:
         asyncio.run(closed_loop(server.url, "warmup", args.concurrency, args.warmup, "image", payloads))
         cpu0, forward0, started = process_cpu_s(server.proc.pid), forward_s(server.url), time.perf_counter()
         result = asyncio.run(closed_loop(server.url, "measured", args.concurrency, args.requests, "image",
                                          payloads)).as_dict()
         cpu1, forward1, elapsed = process_cpu_s(server.proc.pid), forward_s(server.url), time.perf_counter() - started
-    finally:
-        server.__exit__(None, None, None)
-        os.sched_setaffinity(0, own)
     cpu, forwards = cpu1 - cpu0, forward1 - forward0
     summary = {
         "concurrency": args.concurrency, "requests": args.requests, "errors": result["errors"],

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 from PIL import Image
@@ -45,25 +47,35 @@ def ceiling(model: str, payloads: list[str], batch_size: int, seconds: float, co
     return {"mode": "ceiling", "images": done, "images_per_s": done / wall}
 
 
-def service(model: str, payloads: list[str], concurrency: int, requests: int, server_core: int, client_core: int,
-            flags: list[str]) -> dict:
+@contextlib.contextmanager
+def pinned_server(server_core: int | None, client_core: int | None, *flags: str) -> Iterator:
+    """`encode-server` with `flags` on `server_core` alone (with `--cpu-threads 1`), this process moved to
+    `client_core` meanwhile; both None: no pinning. Yields the started `ServerProcess`."""
     from .launcher import ServerProcess
-    from .load import closed_loop
 
     own = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {server_core})  # the server (and its threads) inherit this
+    if server_core is not None:
+        os.sched_setaffinity(0, {server_core})  # the server (and its threads) inherit this
+        flags = ("--cpu-threads", "1", *flags)
     try:
-        # --cache-bytes 0: the payloads repeat, and the embedding cache would answer all but the first 32.
-        server = ServerProcess("--model", model, "--cpu-threads", "1", "--max-batch-size", "32", "--cache-bytes", "0",
-                               *flags, startup_timeout=300)
-        server.__enter__()
+        server = ServerProcess(*flags, startup_timeout=300).__enter__()
     finally:
-        os.sched_setaffinity(0, {client_core})
+        os.sched_setaffinity(0, own if client_core is None else {client_core})
     try:
-        result = asyncio.run(closed_loop(server.url, "pinned", concurrency, requests, "image", payloads))
+        yield server
     finally:
         server.__exit__(None, None, None)
         os.sched_setaffinity(0, own)
+
+
+def service(model: str, payloads: list[str], concurrency: int, requests: int, server_core: int, client_core: int,
+            flags: list[str]) -> dict:
+    from .load import closed_loop
+
+    # --cache-bytes 0: the payloads repeat, and the embedding cache would answer all but the first 32.
+    with pinned_server(server_core, client_core, "--model", model, "--max-batch-size", "32", "--cache-bytes", "0",
+                       *flags) as server:
+        result = asyncio.run(closed_loop(server.url, "pinned", concurrency, requests, "image", payloads))
     return {**result.as_dict(), "mode": "service"}
 
 
