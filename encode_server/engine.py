@@ -15,6 +15,12 @@ With a `PreprocessPool` (`--preprocess-workers`), stage one is the pool instead:
 in order in the forward's thread just before the forward. An item a worker cannot prepare fails its
 own request (400 from the decoder or processor, 500 when its worker died twice on it); the other
 requests of the batch go on without it.
+
+With a pool the scheduler may also `prefetch` a queued job: its items go to the pool as spare work
+(taken only by idle workers) while earlier batches are in the forward, and the batch that later holds
+the job uses those results instead of preparing the items again (the scheduler dispatches a job
+prepared ahead once `prepared_ahead` says so). So the workers keep busy whenever requests wait.
+`forget_prefetch` gives the results back for a job that leaves the queue without being encoded.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ def _settle(future: concurrent.futures.Future, result: Any = None, exception: Ba
             future.set_result(result)
 
 
+def _locations(job: EncodeJob) -> list[str]:
+    """How the pool names a job's items in its errors: their place in the request."""
+    return [f"mm_items[{index}]" for index in range(len(job.raw_items))]
+
+
 def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     """Run `fn` and measure it where it runs (in its worker thread, not while queued for it)."""
     start = time.perf_counter()
@@ -67,8 +78,37 @@ class EncoderEngine:
         self.metrics = metrics
         self.replicas = replicas
         self.preprocessor = preprocessor  # a preprocess_pool.PreprocessPool, or None: preprocess in a thread here
+        self._prefetched: dict[int, concurrent.futures.Future] = {}  # id(job) -> its pool submission
         self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess")
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward")
+
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether `prefetch` does anything: a pool prepares items here (not on data-parallel replicas)."""
+        return self.preprocessor is not None and self.replicas is None
+
+    def prefetch(self, job: EncodeJob, on_done: Callable[[], None] | None = None) -> bool:
+        """Start preparing a queued job's items in the pool as spare work; whether it was started.
+        `on_done()` runs (in the pool's thread) when they are ready. Call it on the scheduler's loop, and
+        `forget_prefetch` if the job leaves the queue without `encode`."""
+        if not self.can_prefetch or not self._poolable(job) or id(job) in self._prefetched:
+            return False
+        future = self.preprocessor.submit(job.modality, job.raw_items, _locations(job), spare=True)
+        self._prefetched[id(job)] = future
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
+        return True
+
+    def prepared_ahead(self, job: EncodeJob) -> bool:
+        """Whether what `prefetch` started for `job` is done (its items are ready, or failed)."""
+        future = self._prefetched.get(id(job))
+        return future is not None and future.done()
+
+    def forget_prefetch(self, job: EncodeJob) -> None:
+        """Drop what `prefetch` started for `job`: items not started are skipped, those done given back."""
+        future = self._prefetched.pop(id(job), None)
+        if future is not None and not future.cancel() and not future.cancelled():
+            future.add_done_callback(lambda done: self.preprocessor.release(done.result()))
 
     def close(self) -> None:
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
@@ -97,9 +137,15 @@ class EncoderEngine:
             rows, layouts, elapsed = await self.replicas.run_remote(replica, modality, jobs)
             return self._parts(modality, jobs, layouts, rows, 0.0, elapsed, f"replica={replica}")
 
+    @staticmethod
+    def _poolable(job: EncodeJob) -> bool:
+        return len(job.raw_items) == len(job.layouts)
+
     async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
-        if self.preprocessor is not None and all(len(job.raw_items) == len(job.layouts) for job in jobs):
+        if self.preprocessor is not None and all(self._poolable(job) for job in jobs):
             return await self._encode_pooled(modality, jobs)
+        for job in jobs:
+            self.forget_prefetch(job)
         self.adapter.before_batch(modality, jobs)
         items = [item for job in jobs for item in job.items]
         stages = self._preprocess_then_forward(modality, items)
@@ -139,9 +185,7 @@ class EncoderEngine:
 
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        raw = [item for job in jobs for item in job.raw_items]
-        locations = [f"mm_items[{index}]" for job in jobs for index in range(len(job.raw_items))]
-        prepared = await self.preprocessor.prepare(modality, raw, locations)
+        prepared = await self._prepare_in_pool(modality, jobs)
         preprocess_s = time.perf_counter() - started
         self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
         results: list[EncodedPart | EncodeError | None] = [None] * len(jobs)
@@ -168,6 +212,36 @@ class EncoderEngine:
             for index, part in zip(kept, parts):
                 results[index] = part
         return results  # type: ignore[return-value]
+
+    async def _prepare_in_pool(self, modality: str, jobs: Sequence[EncodeJob]) -> list[Any]:
+        """Every job's items, prepared by the pool, in order: the prefetched jobs' results (claimed, in case
+        they have not started), one submission for the others. Cancelled, it gives back what is done."""
+        futures: list[concurrent.futures.Future] = []
+        fresh = [job for job in jobs if id(job) not in self._prefetched]
+        if fresh:
+            futures.append(self.preprocessor.submit(
+                modality, [item for job in fresh for item in job.raw_items],
+                [location for job in fresh for location in _locations(job)]))
+        by_job = {}
+        for job in jobs:
+            future = self._prefetched.pop(id(job), None)
+            if future is not None:
+                self.preprocessor.claim(future)
+                futures.append(future)
+                by_job[id(job)] = future
+        try:
+            await asyncio.wait([asyncio.wrap_future(future) for future in futures])
+        except asyncio.CancelledError:
+            for future in futures:
+                if not future.cancel():
+                    future.add_done_callback(lambda done: done.cancelled() or self.preprocessor.release(done.result()))
+            raise
+        fresh_results = iter(futures[0].result() if fresh else ())
+        prepared: list[Any] = []
+        for job in jobs:
+            prepared.extend(by_job[id(job)].result() if id(job) in by_job else
+                            [next(fresh_results) for _ in job.raw_items])
+        return prepared
 
     def _collate_and_forward(self, batches: list[PreparedBatch]) -> tuple[list[ItemLayout], torch.Tensor]:
         try:

@@ -19,7 +19,12 @@ worker at a time, so an item goes to whichever worker is free first and a crash 
 exactly one item), receives results, and watches the processes' sentinels. An item the
 worker cannot use fails alone (`ItemFailure`: 400 with the media or processor's message). A worker
 that dies is restarted, and the item it held is tried once more on the next free worker; a second
-crash fails that item with a 500 naming the signal. A worker holding one item longer than
+crash fails that item with a 500 naming the signal.
+
+`submit(..., spare=True)` is for work ahead of need (the scheduler preprocesses queued requests while
+the forward is busy, `EncoderEngine.prefetch`): such items go to a worker only when no other item is
+waiting, so they fill idle workers and never delay a dispatched batch; `claim` makes them ordinary
+once their batch is dispatched. A worker holding one item longer than
 `item_timeout_s` is killed and its item failed. Every wait is bounded: callers get an answer for
 every item even when workers keep dying (after `max_start_failures` crashes at start-up in a row the
 pool gives up and fails what it holds).
@@ -106,6 +111,7 @@ class _Batch:
     modality: str
     results: list[Any]
     remaining: int
+    spare: bool = False  # served only when no other task waits, until `claim`ed
 
 
 @dataclass
@@ -144,6 +150,7 @@ class PreprocessPool:
         self._release_lock = threading.Lock()  # `release` runs in the forward's thread
         self._stopped = False  # set once, by the conductor as it exits; submit() then fails at once
         self._queue: deque[_Task] = deque()
+        self._spare: deque[_Task] = deque()  # tasks of spare batches, served when `_queue` is empty
         self._task_ids = itertools.count()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -171,13 +178,15 @@ class PreprocessPool:
             raise PoolError(message)
 
     def submit(self, modality: str, items: Sequence[bytes | list[bytes]],
-               locations: Sequence[str] | None = None) -> Future:
-        """A future of one `PreparedBatch` (a single item's) or `ItemFailure` per item, in order."""
+               locations: Sequence[str] | None = None, spare: bool = False) -> Future:
+        """A future of one `PreparedBatch` (a single item's) or `ItemFailure` per item, in order. `spare`
+        items wait until no other item does (see the module docstring)."""
         future: Future = Future()  # left pending (not running), so that cancelling it drops its items
         if not items:
             future.set_result([])
             return future
-        batch = _Batch(future, modality, [None] * len(items), len(items))
+        batch = _Batch(future, modality, [None] * len(items), len(items), spare)
+        future.pool_batch = batch  # type: ignore[attr-defined]  # for `claim`
         locations = locations or [f"mm_items[{index}]" for index in range(len(items))]
         tasks = [_Task(batch, index, raw, location) for index, (raw, location) in enumerate(zip(items, locations))]
         with self._inbox_lock:  # the conductor's last drain takes the same lock: nothing is left behind
@@ -187,6 +196,13 @@ class PreprocessPool:
                 return future
         future.set_result([ItemFailure(503, self.broken or "the preprocessing pool is shut down")] * len(items))
         return future
+
+    def claim(self, future: Future) -> None:
+        """The items of a `spare` submission are needed now: they go before later spare work, on a par
+        with every other batch's (those not started yet are served in submission order)."""
+        batch = getattr(future, "pool_batch", None)
+        if batch is not None and batch.spare:
+            batch.spare = False  # read by the conductor when it next picks a task: no lock, no wake needed
 
     async def prepare(self, modality: str, items: Sequence[bytes | list[bytes]],
                       locations: Sequence[str] | None = None) -> list[PreparedBatch | ItemFailure]:
@@ -305,11 +321,11 @@ class PreprocessPool:
             batch, tasks = self._inbox.popleft()
             for task in tasks:
                 task.task_id = next(self._task_ids)
-            self._queue.extend(tasks)
+            (self._spare if batch.spare else self._queue).extend(tasks)
 
     def _dispatch(self) -> None:
         for worker in self._workers:
-            if not self._queue:
+            if not self._queue and not self._spare:
                 return
             if worker.process is None or not worker.ready or worker.task is not None:
                 continue
@@ -324,13 +340,26 @@ class PreprocessPool:
                 self._queue.appendleft(task)  # its sentinel fires next; the item goes to another worker
                 continue
             worker.task, worker.task_started = task, time.monotonic()
+            worker.ahead_items += task.batch.spare
 
     def _next_task(self) -> _Task | None:
+        """The oldest task of a non-spare batch (claimed spare ones count as such), else the oldest spare."""
         while self._queue:
             task = self._queue.popleft()
-            if not task.batch.future.cancelled() and not task.batch.future.done():
+            if self._wanted(task):
                 return task
-        return None
+        while self._spare and not self._wanted(self._spare[0]):
+            self._spare.popleft()
+        claimed = next((task for task in self._spare if not task.batch.spare), None)
+        if claimed is None and self._spare:
+            claimed = self._spare[0]
+        if claimed is not None:
+            self._spare.remove(claimed)  # the spare queue is short: the scheduler bounds the work it sends ahead
+        return claimed
+
+    @staticmethod
+    def _wanted(task: _Task) -> bool:
+        return not task.batch.future.cancelled() and not task.batch.future.done()
 
     def _wait_timeout(self) -> float:
         now = time.monotonic()
@@ -463,8 +492,9 @@ class PreprocessPool:
             if worker.task is not None:
                 task, worker.task = worker.task, None
                 self._settle(task, failure)
-        while self._queue:
-            self._settle(self._queue.popleft(), failure)
+        for queue in (self._queue, self._spare):
+            while queue:
+                self._settle(queue.popleft(), failure)
 
     def _stop_workers(self, timeout_s: float) -> None:
         for worker in self._workers:

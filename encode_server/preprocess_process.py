@@ -35,6 +35,7 @@ class WorkerHandle:
     cpu_s: float = 0.0  # CPU seconds spent on items
     items: int = 0
     slot_items: int = 0  # items that came back in a reusable slot (the others: one-off blocks or the pipe)
+    ahead_items: int = 0  # items it took as spare work (queued requests prepared ahead of their batch)
     generation: int = 0
     slots: SlotReader = field(default_factory=SlotReader)  # this generation's slots, mapped here
     released: list[int] = field(default_factory=list)  # slots to give back with its next task
@@ -104,6 +105,7 @@ class WorkerHandle:
         self.process = None
 
     def stats(self, wall: float) -> dict[str, float]:
-        return {"worker": self.index, "items": self.items, "slot_items": self.slot_items, "busy_s": self.busy_s,
+        return {"worker": self.index, "items": self.items, "slot_items": self.slot_items,
+                "ahead_items": self.ahead_items, "busy_s": self.busy_s,
                 "cpu_s": self.cpu_s, "busy_fraction": self.busy_s / wall, "cpu_fraction": self.cpu_s / wall,
                 "restarts": self.restarts}

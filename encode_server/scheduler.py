@@ -20,13 +20,24 @@ decision, and wake it only while it has room for a batch.
 Room for a batch: at most `max_in_flight` batches are between dispatch and the end of their
 forward (default 2: one in the forward, the next one preprocessing). So an idle encoder takes a
 request at once, and a busy one collects the next batch meanwhile.
+
+Work ahead: with `prefetch_limit` (an engine with a preprocessing pool), the first `prefetch_limit`
+queued requests in the policy's order have their items prepared while they wait (`engine.prefetch`,
+work the pool gives only to idle workers), and a batch then takes only those whose items are ready
+(with those never prepared ahead): one still being prepared stays queued, in its place, for the next
+batch, and its end wakes the scheduler. So the forward takes what is ready whenever it is free, and
+the workers keep preparing the rest, instead of both waiting for a batch's slowest item. The service
+runs it with one batch in flight. A prefetched request that leaves the queue without being dispatched
+has its results given back (`engine.forget_prefetch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,7 +58,9 @@ T = TypeVar("T")
 
 
 class Engine(Protocol):
-    """What the scheduler needs of the engine: one result per job, in order, never raising."""
+    """What the scheduler needs of the engine: one result per job, in order, never raising. With a
+    `prefetch_limit`, also `prefetch(job, on_done) -> bool`, `prepared_ahead(job) -> bool` and
+    `forget_prefetch(job)` (`EncoderEngine`'s)."""
 
     async def encode(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]: ...
 
@@ -55,7 +68,7 @@ class Engine(Protocol):
 class PendingRequest:
     """A job waiting for its embedding: the job, the future its caller awaits, and its clock times."""
 
-    __slots__ = ("job", "future", "submit_time", "deadline", "view", "priority")
+    __slots__ = ("job", "future", "submit_time", "deadline", "view", "priority", "prefetched")
 
     def __init__(self, job: EncodeJob, deadline: float, submit_time: float,
                  future: asyncio.Future[EncodedPart], priority: int = 0) -> None:
@@ -64,6 +77,7 @@ class PendingRequest:
         self.submit_time = submit_time
         self.deadline = deadline  # in the scheduler's clock
         self.priority = priority
+        self.prefetched = False  # its items are being prepared ahead (`EncoderScheduler._prefetch`)
         self.view = QueuedView(arrival=submit_time, tokens=job.tokens, priority=priority, deadline=deadline)
 
 
@@ -71,11 +85,13 @@ class EncoderScheduler:
     """Owns the per-modality queues; applies the policy; dispatches batches to the engine."""
 
     def __init__(self, engine: Engine, policy: BatchPolicy, metrics: ServerMetrics, max_in_flight: int = 2,
-                 clock: Clock | None = None, costs: CostModel | None = None) -> None:
+                 clock: Clock | None = None, costs: CostModel | None = None, prefetch_limit: int = 0) -> None:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
         self.max_in_flight = max_in_flight
+        self.prefetch_limit = prefetch_limit
+        self._prefetched = 0  # queued requests whose items are being prepared ahead
         self.clock = clock or MonotonicClock()
         self.costs = costs or CostModel()
         self._inbox: deque[PendingRequest] = deque()
@@ -87,6 +103,7 @@ class EncoderScheduler:
         self._batches: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._mailbox: Mailbox | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def use_mailbox(self, mailbox: Mailbox) -> None:
         """Run what other threads post to `mailbox` before each decision (`SchedulerThread`); such posts
@@ -124,7 +141,8 @@ class EncoderScheduler:
         return self._task is not None and not self._task.done()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="encoder-scheduler")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="encoder-scheduler")
 
     def fail_queued(self, message: str) -> None:
         """Fail every request still waiting for a batch with 503 (batches already running finish)."""
@@ -132,6 +150,7 @@ class EncoderScheduler:
         while self._probes:
             _fail(self._probes.popleft(), EncodeError(503, message))
         for pending in self._queues.clear():
+            self._unqueued(pending)
             _fail(pending, EncodeError(503, message, pending.job.req_id, headers={"Retry-After": "1"}))
 
     async def stop(self) -> None:
@@ -167,6 +186,7 @@ class EncoderScheduler:
             return False
         modality, pending = candidate
         self._queues.discard(modality, pending)
+        self._unqueued(pending)
         self.metrics.evictions.labels(modality, str(pending.priority)).inc()
         _fail(pending, EncodeError(503, f"evicted from the queue by a request of priority {priority}",
                                    pending.job.req_id, headers={"Retry-After": "1"}))
@@ -187,13 +207,17 @@ class EncoderScheduler:
             while self._in_flight < self.max_in_flight:
                 decision = decide(self._queues.views(), now, self.policy, self.costs)
                 if isinstance(decision, Dispatch):
-                    self._dispatch(decision, now)
-                    continue
+                    if self._dispatch(decision, now):
+                        continue
+                    break  # nothing of it is ready yet: the end of its preparation wakes us
                 if decision.until is not None:
                     timeout = max(0.0, decision.until - now)
                 break
+            self._prefetch()
             self.metrics.queue_depth.set(self.queue_depth)
-            if self._mailbox is not None and not self._mailbox.listen(self._in_flight < self.max_in_flight):
+            # Arrivals wake it while it has room for a batch, or for work ahead.
+            room = self._in_flight < self.max_in_flight or self._prefetched < self.prefetch_limit
+            if self._mailbox is not None and not self._mailbox.listen(room):
                 continue  # posted meanwhile: run it first
             await self.clock.wait(self._wake, timeout)
 
@@ -212,17 +236,65 @@ class EncoderScheduler:
         """Requests whose callers gave up (cancelled, disconnected, timed out) never reach the encoder."""
         while self._gone:
             pending = self._gone.popleft()
-            self._queues.discard(pending.job.modality, pending)
+            if self._queues.discard(pending.job.modality, pending):
+                self._unqueued(pending)
         for pending in self._queues.pop_expired(now):
+            self._unqueued(pending)
             _fail(pending, EncodeError(504, "timed out waiting in the queue", pending.job.req_id))
 
-    def _dispatch(self, decision: Dispatch, now: float) -> None:
+    def _prefetch(self) -> None:
+        """Start preparing the first `prefetch_limit` queued requests (each modality's queue in the policy's
+        order) that are not yet; the engine gives that work only to idle preprocessing workers."""
+        room = self.prefetch_limit - self._prefetched
+        for queue in self._queues.queues.values():
+            if room <= 0:
+                return
+            for pending in itertools.islice(queue, self._prefetched + room):
+                if room <= 0:
+                    break
+                if not pending.prefetched and self.engine.prefetch(pending.job, self._wake_from_any_thread):
+                    pending.prefetched = True
+                    self._prefetched += 1
+                    room -= 1
+
+    def _wake_from_any_thread(self) -> None:
+        """Work ahead ended (in the pool's thread): look at the queues again."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _unqueued(self, pending: PendingRequest, dispatched: bool = False) -> None:
+        """`pending` left the queue: its work ahead no longer counts, and is given back unless dispatched."""
+        if pending.prefetched:
+            self._prefetched -= 1
+            if not dispatched:
+                pending.prefetched = False
+                self.engine.forget_prefetch(pending.job)
+
+    def _dispatch(self, decision: Dispatch, now: float) -> bool:
+        """Start the batch the policy chose, less its requests still being prepared ahead (they stay
+        queued); False when that leaves nothing."""
         batch = self._queues.take(decision)
+        if self.prefetch_limit:
+            batch = self._ready_part(decision.modality, batch)
+            if not batch:
+                return False
         for pending in batch:
+            self._unqueued(pending, dispatched=True)
             self.metrics.queue_wait.labels(decision.modality, str(pending.priority)).observe(
                 now - pending.submit_time)
         self.metrics.batch_size.labels(decision.modality).observe(len(batch))
         self._start_batch(decision.modality, batch, now)
+        return True
+
+    def _ready_part(self, modality: str, batch: list[PendingRequest]) -> list[PendingRequest]:
+        """The requests of `batch` that are ready to encode; those still being prepared go back to the queue."""
+        ready = []
+        for pending in batch:
+            if pending.prefetched and not self.engine.prepared_ahead(pending.job):
+                self._queues.add(modality, pending.view, pending)
+            else:
+                ready.append(pending)
+        return ready
 
     def _start_batch(self, modality: str, batch: list[PendingRequest], now: float) -> None:
         self._in_flight += 1
@@ -250,6 +322,9 @@ class EncoderScheduler:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            for pending in batch:  # work ahead the engine did not use (the request went meanwhile); else a no-op
+                if pending.prefetched:
+                    self.engine.forget_prefetch(pending.job)
             self._in_flight -= 1
             self._wake.set()
 

@@ -159,8 +159,14 @@ class EncoderService:
         if self.group is not None and self.group.role == "dp":
             replicas = DataParallelReplicas(self.group, asyncio.get_running_loop())
         self.engine = EncoderEngine(self.adapter, self.metrics, replicas, self.preprocess_pool)
-        return EncoderScheduler(self.engine, batch_policy(self.settings), self.metrics,
-                                max_in_flight=2 * self.settings.dp_size, clock=self.clock, costs=self.costs)
+        policy = batch_policy(self.settings)
+        if self.engine.can_prefetch:
+            # The pool prepares up to a batch's worth of queued requests ahead; a batch takes the ready ones,
+            # so one batch in flight (in the forward) is enough: the next takes what is ready when it ends.
+            return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=1, clock=self.clock,
+                                    costs=self.costs, prefetch_limit=policy.max_batch_size)
+        return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=2 * self.settings.dp_size,
+                                clock=self.clock, costs=self.costs)
 
     @property
     def pending(self) -> int:

@@ -595,3 +595,102 @@ def test_which_servers_get_a_pool(adapters):
     unpicklable.sizing = lambda: None  # a local closure, as some families hold
     unpicklable.preprocessing_copy = lambda: unpicklable
     assert make_preprocess_pool(Settings(preprocess_workers=2), unpicklable, LIMITS) is None
+
+
+def test_spare_items_wait_for_dispatched_ones_and_claimed_ones_go_first(adapters):
+    """The conductor's choice of the next task (read directly: the pool is not started, so nothing else
+    takes tasks): a dispatched batch's items first, then spare items of claimed submissions, then other
+    spare items in submission order; cancelled ones never; closing fails spare work too (no hang)."""
+    pool = PreprocessPool(adapters["tiny-qwen2.5-vl"], LIMITS, workers=1)
+    pool.submit("image", [b"early-0", b"early-1"], spare=True)
+    dropped = pool.submit("image", [b"dropped"], spare=True)
+    later = pool.submit("image", [b"later"], spare=True)
+    pool.submit("image", [b"batch"])
+    left = pool.submit("image", [b"left"], spare=True)
+    assert dropped.cancel()
+    pool._absorb_inbox()
+    pool.claim(later)  # its request was dispatched meanwhile
+    order = []
+    while (task := pool._next_task()) is not None and len(order) < 4:
+        order.append(task.raw)
+    assert order == [b"batch", b"later", b"early-0", b"early-1"]
+    assert task.raw == b"left"
+    pool._spare.appendleft(task)  # as if never taken
+    pool.close()
+    assert left.result(timeout=5)[0].status == 503
+
+
+def test_server_prepares_queued_requests_ahead_and_uses_that_work(adapters):
+    """A burst on a one-worker pool with batches of at most two: queued requests are prepared ahead by the
+    idle worker (`ahead_items`), each item is prepared exactly once, and every answer equals the image's
+    embedding computed in this process."""
+    import base64
+
+    import httpx
+
+    from .helpers import ServerProcess
+
+    qwen = adapters["tiny-qwen2.5-vl"]
+    images = [encoded(448, 336, 700 + i, "JPEG") for i in range(12)]
+
+    async def post_all(url: str) -> list:
+        async with httpx.AsyncClient(timeout=180) as client:
+            return await asyncio.gather(*(client.post(url + "/encode", json={
+                "req_id": f"ahead-{i}", "modality": "image", "mm_items": [base64.b64encode(data).decode()],
+                "return_embedding": True}) for i, data in enumerate(images)))
+
+    with ServerProcess("--preprocess-workers", "1", "--max-batch-size", "2", "--max-wait-ms", "0",
+                       "--cache-bytes", "0", startup_timeout=300) as server:
+        before = httpx.get(server.url + "/v1/performance", timeout=60).json()["preprocess_workers"][0]
+        responses = asyncio.run(post_all(server.url))
+        after = httpx.get(server.url + "/v1/performance", timeout=60).json()["preprocess_workers"][0]
+    assert [r.status_code for r in responses] == [200] * len(images)
+    for response, data in zip(responses, images):
+        payload = response.json()
+        got = np.frombuffer(base64.b64decode(payload["embedding"]), "<f4").reshape(payload["embedding_shape"])
+        np.testing.assert_allclose(got, qwen.forward(reference(qwen, "image", [data])).numpy(), rtol=1e-5, atol=1e-5)
+    assert after["items"] - before["items"] == len(images)  # work ahead was used, never redone
+    assert after["ahead_items"] - before["ahead_items"] >= 1
+
+
+def test_engine_uses_work_ahead_once_and_gives_back_what_it_forgets(adapters):
+    """`EncoderEngine.prefetch` with a real one-worker pool: a prefetched job's results are used by its
+    batch (right rows, not prepared twice); forgotten ones give their slots back (the worker has 8: nine
+    forgotten jobs would otherwise leave none, and later items would come back in one-off blocks)."""
+    from encode_server.engine import EncoderEngine
+    from encode_server.metrics import ServerMetrics
+    from encode_server.records import EncodeJob, PartMeta
+
+    qwen = adapters["tiny-qwen2.5-vl"]
+
+    def job(req_id: str, data: bytes) -> EncodeJob:
+        layout = qwen.item_layout("image", decode_bytes("image", data, LIMITS, "x"))
+        return EncodeJob(meta=PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality="image"), items=(None,),
+                         layouts=(layout,), raw_items=(data,))
+
+    pool = PreprocessPool(qwen, LIMITS, workers=1)
+    pool.start()
+    engine = EncoderEngine(qwen, ServerMetrics(), None, pool)
+    try:
+        assert engine.can_prefetch
+        for index in range(10):
+            forgotten = job(f"gone-{index}", encoded(224, 168, 800 + index, "JPEG"))
+            assert engine.prefetch(forgotten)
+            if index < 9:  # nine done (they hold slots until given back), the last one forgotten at once
+                wait_until(lambda job=forgotten: engine._prefetched[id(job)].done(), 60)
+            engine.forget_prefetch(forgotten)
+        ahead, fresh = job("ahead", encoded(140, 84, 900)), job("fresh", encoded(84, 140, 901))
+        assert engine.prefetch(ahead) and not engine.prefetch(ahead)  # once per job
+        wait_until(lambda: engine._prefetched[id(ahead)].done(), 60)
+        before = pool.stats()[0]
+        parts = asyncio.run(engine.encode("image", [ahead, fresh]))
+        after = pool.stats()[0]
+        for part, data in zip(parts, (ahead.raw_items[0], fresh.raw_items[0])):
+            torch.testing.assert_close(part.embedding, qwen.forward(reference(qwen, "image", [data])),
+                                       rtol=1e-5, atol=1e-5)
+        assert after["items"] - before["items"] == 1  # only the fresh job's item: the other was ready
+        assert after["slot_items"] - before["slot_items"] == 1  # a free slot: none leaked
+        assert not engine._prefetched
+    finally:
+        engine.close()
+        pool.close()

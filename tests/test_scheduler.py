@@ -8,10 +8,12 @@ import asyncio
 
 import pytest
 
+from encode_server.metrics import ServerMetrics
 from encode_server.policy import BatchPolicy
 from encode_server.records import EncodeError
+from encode_server.scheduler import EncoderScheduler
 
-from .fakes import FakeEngine, SchedulerRig, job, settle
+from .fakes import FakeClock, FakeEngine, SchedulerRig, job, settle
 
 
 @pytest.fixture
@@ -141,3 +143,129 @@ async def test_an_idle_scheduler_sleeps_without_a_deadline(rig):
     await settle()
     assert [deadline for deadline, _ in clock._sleepers] == [pytest.approx(clock.now() + 1.0)]
     await asyncio.sleep(0)
+
+
+class AheadEngine(FakeEngine):
+    """A held `FakeEngine` that can prepare jobs ahead, as `EncoderEngine` with a pool: it records what it
+    was asked to start, what it was told to forget, and which work ahead its batches used. Work ahead is
+    ready at once, or (`instant=False`) when `finish(req_id)` says so, which calls its `on_done`."""
+
+    def __init__(self, instant: bool = True) -> None:
+        super().__init__(hold=True)
+        self.instant = instant
+        self.live: set[str] = set()  # jobs with work ahead not used nor forgotten
+        self.ready: set[str] = set()
+        self.on_done: dict[str, object] = {}
+        self.started: list[str] = []
+        self.forgotten: list[str] = []
+        self.used: list[str] = []
+
+    def prefetch(self, job, on_done=None) -> bool:
+        assert job.req_id not in self.live, "started twice"
+        self.live.add(job.req_id)
+        self.started.append(job.req_id)
+        self.on_done[job.req_id] = on_done
+        if self.instant:
+            self.ready.add(job.req_id)
+        return True
+
+    def finish(self, req_id: str) -> None:
+        self.ready.add(req_id)
+        self.on_done[req_id]()
+
+    def prepared_ahead(self, job) -> bool:
+        return job.req_id in self.live and job.req_id in self.ready
+
+    def forget_prefetch(self, job) -> None:
+        if job.req_id in self.live:
+            self.live.discard(job.req_id)
+            self.forgotten.append(job.req_id)
+
+    async def encode(self, modality, jobs):
+        for queued in jobs:
+            if queued.req_id in self.live:
+                self.live.discard(queued.req_id)
+                self.used.append(queued.req_id)
+        return await super().encode(modality, jobs)
+
+
+async def test_queued_requests_are_prepared_ahead_in_policy_order_within_the_limit():
+    engine, clock = AheadEngine(), FakeClock()
+    scheduler = EncoderScheduler(engine, BatchPolicy(max_batch_size=2, max_wait_s=0), ServerMetrics(), clock=clock,
+                                 max_in_flight=1, prefetch_limit=2)
+    scheduler.start()
+    try:
+        now = clock.now()
+        scheduler.submit(job("busy"), now + 60)
+        await settle()
+        futures = {name: scheduler.submit(job(name), now + deadline) for name, deadline in
+                   (("a", 60), ("b", 5), ("c", 60), ("d", 60))}
+        await settle()
+        assert engine.batches == [["busy"]] and engine.started == ["b", "a"]  # b's deadline is earlier
+        futures["urgent"] = scheduler.submit(job("urgent"), now + 60, priority=1)
+        await settle()
+        assert engine.started == ["b", "a"]  # at the limit: the newcomer waits, even first in line
+        futures["a"].cancel()
+        await settle()
+        assert engine.forgotten == ["a"] and engine.started == ["b", "a", "urgent"]  # room again: the head
+        await clock.advance(6)  # b times out in the queue (seen at the next wake-up: the next arrival)
+        futures["e"] = scheduler.submit(job("e"), now + 60)
+        await settle()
+        assert engine.forgotten == ["a", "b"] and engine.started[-1] == "c"
+        with pytest.raises(EncodeError) as expired:
+            futures["b"].result()
+        assert expired.value.status == 504
+        engine.release()
+        await settle()
+        assert engine.batches == [["busy"], ["urgent", "c"], ["d", "e"]]
+        assert engine.used == ["urgent", "c", "d", "e"] and engine.started == ["b", "a", "urgent", "c", "d", "e"]
+        assert not engine.live  # everything started was used or given back
+    finally:
+        engine.release()
+        await scheduler.stop()
+
+
+async def test_a_batch_takes_the_requests_prepared_ahead_and_leaves_the_others_queued():
+    engine, clock = AheadEngine(instant=False), FakeClock()
+    scheduler = EncoderScheduler(engine, BatchPolicy(max_batch_size=4, max_wait_s=0), ServerMetrics(), clock=clock,
+                                 max_in_flight=1, prefetch_limit=4)
+    scheduler.start()
+    try:
+        now = clock.now()
+        scheduler.submit(job("busy"), now + 60)  # an idle encoder takes it at once: nothing to prepare ahead
+        await settle()
+        futures = [scheduler.submit(job(f"r{i}"), now + 60 + i) for i in range(3)]
+        await settle()
+        assert engine.started == ["r0", "r1", "r2"] and engine.batches == [["busy"]]
+        engine.release()  # from now on every batch ends at once
+        await settle()
+        assert engine.batches == [["busy"]]  # the encoder is free, but nothing is ready: nothing goes
+        engine.finish("r1")  # its end wakes the scheduler (from the pool's thread in the server)
+        await settle()
+        assert engine.batches == [["busy"], ["r1"]]
+        engine.finish("r0")
+        engine.finish("r2")
+        await settle()
+        assert engine.batches == [["busy"], ["r1"], ["r0", "r2"]] and engine.used == ["r1", "r0", "r2"]
+        assert all(future.done() and not future.exception() for future in futures)
+    finally:
+        engine.release()
+        await scheduler.stop()
+
+
+async def test_work_ahead_of_requests_failed_at_stop_is_given_back():
+    engine, clock = AheadEngine(), FakeClock()
+    scheduler = EncoderScheduler(engine, BatchPolicy(max_batch_size=4, max_wait_s=0), ServerMetrics(), clock=clock,
+                                 max_in_flight=1, prefetch_limit=4)
+    scheduler.start()
+    scheduler.submit(job("busy"), clock.now() + 60)
+    await settle()
+    queued = [scheduler.submit(job(f"q{i}"), clock.now() + 60) for i in range(3)]
+    await settle()
+    assert engine.started == ["q0", "q1", "q2"]
+    stopping = asyncio.ensure_future(scheduler.stop())  # the queued ones fail 503; the running batch finishes
+    await settle()
+    engine.release()
+    await stopping
+    assert all(isinstance(f.exception(), EncodeError) and f.exception().status == 503 for f in queued)
+    assert sorted(engine.forgotten) == ["q0", "q1", "q2"] and not engine.live

@@ -243,9 +243,10 @@ def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, work
 
 
 def workers_utilisation(before: list[dict], after: list[dict], wall: float) -> list[dict]:
-    """Per worker, between two `PreprocessPool.stats()` snapshots `wall` seconds apart: items (in slots),
-    CPU and busy time as fractions of `wall`."""
+    """Per worker, between two `PreprocessPool.stats()` snapshots `wall` seconds apart: items (in slots, taken
+    as spare work ahead of their batch), CPU and busy time as fractions of `wall`."""
     return [{"worker": a["worker"], "items": a["items"] - b["items"], "slot_items": a["slot_items"] - b["slot_items"],
+             "ahead_items": a.get("ahead_items", 0) - b.get("ahead_items", 0),
              "cpu_fraction": (a["cpu_s"] - b["cpu_s"]) / wall, "busy_fraction": (a["busy_s"] - b["busy_s"]) / wall}
             for a, b in zip(after, before)]
 
