@@ -107,8 +107,8 @@ class EncoderEngine:
     def forget_prefetch(self, job: EncodeJob) -> None:
         """Drop what `prefetch` started for `job`: items not started are skipped, those done given back."""
         future = self._prefetched.pop(id(job), None)
-        if future is not None and not future.cancel() and not future.cancelled():
-            future.add_done_callback(lambda done: self.preprocessor.release(done.result()))
+        if future is not None:
+            self.preprocessor.discard(future)
 
     def close(self) -> None:
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
@@ -214,33 +214,28 @@ class EncoderEngine:
         return results  # type: ignore[return-value]
 
     async def _prepare_in_pool(self, modality: str, jobs: Sequence[EncodeJob]) -> list[Any]:
-        """Every job's items, prepared by the pool, in order: the prefetched jobs' results (claimed, in case
-        they have not started), one submission for the others. Cancelled, it gives back what is done."""
-        futures: list[concurrent.futures.Future] = []
-        fresh = [job for job in jobs if id(job) not in self._prefetched]
+        """Every job's items, prepared by the pool, in order: the prefetched jobs' own submissions (claimed,
+        in case they have not started), one submission for the others. Cancelled, it discards them all."""
+        ahead = {id(job): self._prefetched.pop(id(job)) for job in jobs if id(job) in self._prefetched}
+        for future in ahead.values():
+            self.preprocessor.claim(future)
+        fresh = [job for job in jobs if id(job) not in ahead]
+        submissions = list(ahead.values())
         if fresh:
-            futures.append(self.preprocessor.submit(
+            submissions.append(self.preprocessor.submit(
                 modality, [item for job in fresh for item in job.raw_items],
                 [location for job in fresh for location in _locations(job)]))
-        by_job = {}
-        for job in jobs:
-            future = self._prefetched.pop(id(job), None)
-            if future is not None:
-                self.preprocessor.claim(future)
-                futures.append(future)
-                by_job[id(job)] = future
         try:
-            await asyncio.wait([asyncio.wrap_future(future) for future in futures])
+            await asyncio.wait([asyncio.wrap_future(future) for future in submissions])
         except asyncio.CancelledError:
-            for future in futures:
-                if not future.cancel():
-                    future.add_done_callback(lambda done: done.cancelled() or self.preprocessor.release(done.result()))
+            for future in submissions:
+                self.preprocessor.discard(future)
             raise
-        fresh_results = iter(futures[0].result() if fresh else ())
+        fresh_results = iter(submissions[-1].result() if fresh else ())
         prepared: list[Any] = []
         for job in jobs:
-            prepared.extend(by_job[id(job)].result() if id(job) in by_job else
-                            [next(fresh_results) for _ in job.raw_items])
+            own = ahead.get(id(job))
+            prepared.extend(own.result() if own is not None else [next(fresh_results) for _ in job.raw_items])
         return prepared
 
     def _collate_and_forward(self, batches: list[PreparedBatch]) -> tuple[list[ItemLayout], torch.Tensor]:

@@ -23,8 +23,9 @@ crash fails that item with a 500 naming the signal.
 
 `submit(..., spare=True)` is for work ahead of need (the scheduler preprocesses queued requests while
 the forward is busy, `EncoderEngine.prefetch`): such items go to a worker only when no other item is
-waiting, so they fill idle workers and never delay a dispatched batch; `claim` makes them ordinary
-once their batch is dispatched. A worker holding one item longer than
+waiting (`preprocess_tasks.TaskQueue`), so they fill idle workers and never delay a dispatched batch;
+`claim` puts them first among spare work once their batch is dispatched, and `discard` drops a
+submission nobody will read. A worker holding one item longer than
 `item_timeout_s` is killed and its item failed. Every wait is bounded: callers get an answer for
 every item even when workers keep dying (after `max_start_failures` crashes at start-up in a row the
 pool gives up and fails what it holds).
@@ -53,12 +54,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from processors import EncoderAdapter, PreparedBatch
 
 from .decoding import MediaLimits
 from .preprocess_process import WorkerHandle
+from .preprocess_tasks import Submission, SubmissionFuture, Task, TaskQueue
 from .shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
 
 log = logging.getLogger("encode_server.preprocess_pool")
@@ -103,29 +104,6 @@ class PooledItem(PreparedBatch):
 
 # --- the pool ----------------------------------------------------------------------------------------
 
-@dataclass
-class _Batch:
-    """One `submit` call: its future and a slot per item."""
-
-    future: Future
-    modality: str
-    results: list[Any]
-    remaining: int
-    spare: bool = False  # served only when no other task waits, until `claim`ed
-
-
-@dataclass
-class _Task:
-    """One item of a batch, on its way through a worker."""
-
-    batch: _Batch
-    index: int
-    raw: bytes | list[bytes]
-    location: str
-    attempts: int = 0
-    task_id: int = 0
-
-
 class PreprocessPool:
     """`workers` spawned processes that decode and preprocess items; see the module docstring."""
 
@@ -145,12 +123,11 @@ class PreprocessPool:
         self._copy = adapter.preprocessing_copy()
         self._block_prefix = str(SHM_DIR / f"encode-preprocess-{os.getpid()}-{id(self):x}")
         self._workers = [WorkerHandle(index) for index in range(workers)]
-        self._inbox: deque[tuple[_Batch, list[_Task]]] = deque()
+        self._inbox: deque[tuple[Submission, list[Task]]] = deque()
         self._inbox_lock = threading.Lock()
         self._release_lock = threading.Lock()  # `release` runs in the forward's thread
         self._stopped = False  # set once, by the conductor as it exits; submit() then fails at once
-        self._queue: deque[_Task] = deque()
-        self._spare: deque[_Task] = deque()  # tasks of spare batches, served when `_queue` is empty
+        self._queue = TaskQueue()
         self._task_ids = itertools.count()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -181,38 +158,41 @@ class PreprocessPool:
                locations: Sequence[str] | None = None, spare: bool = False) -> Future:
         """A future of one `PreparedBatch` (a single item's) or `ItemFailure` per item, in order. `spare`
         items wait until no other item does (see the module docstring)."""
-        future: Future = Future()  # left pending (not running), so that cancelling it drops its items
+        future = SubmissionFuture()  # left pending (not running), so that cancelling it drops its items
         if not items:
             future.set_result([])
             return future
-        batch = _Batch(future, modality, [None] * len(items), len(items), spare)
-        future.pool_batch = batch  # type: ignore[attr-defined]  # for `claim`
+        submission = future.submission = Submission(future, modality, [None] * len(items), len(items), spare)
         locations = locations or [f"mm_items[{index}]" for index in range(len(items))]
-        tasks = [_Task(batch, index, raw, location) for index, (raw, location) in enumerate(zip(items, locations))]
+        tasks = [Task(submission, index, raw, location) for index, (raw, location) in enumerate(zip(items, locations))]
         with self._inbox_lock:  # the conductor's last drain takes the same lock: nothing is left behind
             if not self._stopped:
-                self._inbox.append((batch, tasks))
+                self._inbox.append((submission, tasks))
                 self._wake()
                 return future
         future.set_result([ItemFailure(503, self.broken or "the preprocessing pool is shut down")] * len(items))
         return future
 
     def claim(self, future: Future) -> None:
-        """The items of a `spare` submission are needed now: they go before later spare work, on a par
-        with every other batch's (those not started yet are served in submission order)."""
-        batch = getattr(future, "pool_batch", None)
-        if batch is not None and batch.spare:
-            batch.spare = False  # read by the conductor when it next picks a task: no lock, no wake needed
+        """The items of a `spare` submission are needed now: they go before other spare work."""
+        submission = getattr(future, "submission", None)
+        if submission is not None:
+            submission.spare = False  # read by the conductor when it next picks a task: no lock, no wake needed
+
+    def discard(self, future: Future) -> None:
+        """Nobody will read this submission: its items not started are dropped, and the slots of those done
+        (now or later) go back to their workers."""
+        if not future.cancel():  # already answered (a submission's future never runs)
+            future.add_done_callback(lambda done: self.release(done.result()))
 
     async def prepare(self, modality: str, items: Sequence[bytes | list[bytes]],
                       locations: Sequence[str] | None = None) -> list[PreparedBatch | ItemFailure]:
-        """`submit`, awaited; cancelling it drops the items not yet started (and releases those done)."""
+        """`submit`, awaited; cancelling it `discard`s the submission."""
         future = self.submit(modality, items, locations)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release(future.result())
+            self.discard(future)
             raise
 
     def release(self, results: Sequence[PreparedBatch | ItemFailure]) -> None:
@@ -318,48 +298,29 @@ class PreprocessPool:
 
     def _absorb_inbox(self) -> None:
         while self._inbox:
-            batch, tasks = self._inbox.popleft()
+            submission, tasks = self._inbox.popleft()
             for task in tasks:
                 task.task_id = next(self._task_ids)
-            (self._spare if batch.spare else self._queue).extend(tasks)
+            self._queue.add(submission, tasks)
 
     def _dispatch(self) -> None:
         for worker in self._workers:
-            if not self._queue and not self._spare:
+            if not self._queue:
                 return
             if worker.process is None or not worker.ready or worker.task is not None:
                 continue
-            task = self._next_task()
+            task = self._queue.take()
             if task is None:
                 return
             with self._release_lock:
                 released, worker.released = worker.released, []
             try:
-                worker.tasks.send((task.task_id, task.batch.modality, task.raw, task.location, released))
+                worker.tasks.send((task.task_id, task.submission.modality, task.raw, task.location, released))
             except (BrokenPipeError, OSError):
-                self._queue.appendleft(task)  # its sentinel fires next; the item goes to another worker
+                self._queue.retry(task)  # its sentinel fires next; the item goes to another worker
                 continue
             worker.task, worker.task_started = task, time.monotonic()
-            worker.ahead_items += task.batch.spare
-
-    def _next_task(self) -> _Task | None:
-        """The oldest task of a non-spare batch (claimed spare ones count as such), else the oldest spare."""
-        while self._queue:
-            task = self._queue.popleft()
-            if self._wanted(task):
-                return task
-        while self._spare and not self._wanted(self._spare[0]):
-            self._spare.popleft()
-        claimed = next((task for task in self._spare if not task.batch.spare), None)
-        if claimed is None and self._spare:
-            claimed = self._spare[0]
-        if claimed is not None:
-            self._spare.remove(claimed)  # the spare queue is short: the scheduler bounds the work it sends ahead
-        return claimed
-
-    @staticmethod
-    def _wanted(task: _Task) -> bool:
-        return not task.batch.future.cancelled() and not task.batch.future.done()
+            worker.ahead_items += task.submission.spare
 
     def _wait_timeout(self) -> float:
         now = time.monotonic()
@@ -391,12 +352,12 @@ class PreprocessPool:
             try:
                 result: PreparedBatch | ItemFailure
                 if isinstance(inputs, SharedTensors) and inputs.slot is not None:
-                    result = PooledItem(task.batch.modality, worker.slots.read(inputs), layouts, extras,
+                    result = PooledItem(task.submission.modality, worker.slots.read(inputs), layouts, extras,
                                         lease=(worker.index, worker.generation, inputs.slot))
                     worker.slot_items += 1
                 else:
                     tensors = import_tensors(inputs) if isinstance(inputs, SharedTensors) else inputs
-                    result = PreparedBatch(task.batch.modality, tensors, layouts, extras)
+                    result = PreparedBatch(task.submission.modality, tensors, layouts, extras)
             except OSError as exc:
                 result = ItemFailure(500, f"{task.location}: could not map the preprocessed tensors: {exc}")
                 if isinstance(inputs, SharedTensors) and inputs.slot is not None:
@@ -411,20 +372,20 @@ class PreprocessPool:
         self._settle(task, result)
         return True
 
-    def _settle(self, task: _Task, result: PreparedBatch | ItemFailure) -> None:
-        batch = task.batch
-        if batch.results[task.index] is not None:
+    def _settle(self, task: Task, result: PreparedBatch | ItemFailure) -> None:
+        submission = task.submission
+        if submission.results[task.index] is not None:
             self.release([result])
             return
-        batch.results[task.index] = result
-        batch.remaining -= 1
-        if batch.remaining == 0 and not batch.future.done():
+        submission.results[task.index] = result
+        submission.remaining -= 1
+        if submission.remaining == 0 and not submission.future.done():
             try:
-                batch.future.set_result(batch.results)
+                submission.future.set_result(submission.results)
             except Exception:  # cancelled by its caller meanwhile
                 pass
-        if batch.future.cancelled():  # nobody will read these: their slots go back now
-            self.release([r for r in batch.results if r is not None])
+        if submission.future.cancelled():  # nobody will read these: their slots go back now
+            self.release([r for r in submission.results if r is not None])
 
     def _worker_died(self, worker: WorkerHandle) -> None:
         while worker.results.poll(0) and self._receive(worker):  # answers sent before it died still count
@@ -442,7 +403,7 @@ class PreprocessPool:
             else:
                 log.warning("preprocessing worker %d (pid %d) %s while preparing %s; retrying it once",
                             worker.index, process.pid, reason, task.location)
-                self._queue.appendleft(task)
+                self._queue.retry(task)
         else:
             log.warning("preprocessing worker %d (pid %d) %s", worker.index, process.pid, reason)
         worker.exit_reasons.append(reason)
@@ -492,9 +453,8 @@ class PreprocessPool:
             if worker.task is not None:
                 task, worker.task = worker.task, None
                 self._settle(task, failure)
-        for queue in (self._queue, self._spare):
-            while queue:
-                self._settle(queue.popleft(), failure)
+        for task in self._queue.drain():
+            self._settle(task, failure)
 
     def _stop_workers(self, timeout_s: float) -> None:
         for worker in self._workers:

@@ -598,24 +598,31 @@ def test_which_servers_get_a_pool(adapters):
 
 
 def test_spare_items_wait_for_dispatched_ones_and_claimed_ones_go_first(adapters):
-    """The conductor's choice of the next task (read directly: the pool is not started, so nothing else
-    takes tasks): a dispatched batch's items first, then spare items of claimed submissions, then other
-    spare items in submission order; cancelled ones never; closing fails spare work too (no hang)."""
-    pool = PreprocessPool(adapters["tiny-qwen2.5-vl"], LIMITS, workers=1)
-    pool.submit("image", [b"early-0", b"early-1"], spare=True)
-    dropped = pool.submit("image", [b"dropped"], spare=True)
-    later = pool.submit("image", [b"later"], spare=True)
-    pool.submit("image", [b"batch"])
-    left = pool.submit("image", [b"left"], spare=True)
-    assert dropped.cancel()
-    pool._absorb_inbox()
-    pool.claim(later)  # its request was dispatched meanwhile
+    """The order in which free workers take tasks (`TaskQueue`): a dispatched batch's items first, then spare
+    items of claimed submissions, then other spare items in submission order; cancelled ones never. And a
+    pool closed with spare work waiting fails it too (no hang)."""
+    from concurrent.futures import Future
+
+    from encode_server.preprocess_tasks import Submission, Task, TaskQueue
+
+    queue = TaskQueue()
+    submissions = {}
+    for name, raws, spare in (("early", [b"early-0", b"early-1"], True), ("dropped", [b"dropped"], True),
+                              ("later", [b"later"], True), ("batch", [b"batch"], False),
+                              ("left", [b"left"], True)):
+        submission = submissions[name] = Submission(Future(), "image", [None] * len(raws), len(raws), spare)
+        queue.add(submission, [Task(submission, index, raw, f"mm_items[{index}]") for index, raw in enumerate(raws)])
+    assert submissions["dropped"].future.cancel()
+    submissions["later"].spare = False  # claimed: its request was dispatched meanwhile
     order = []
-    while (task := pool._next_task()) is not None and len(order) < 4:
+    while (task := queue.take()) is not None and len(order) < 4:
         order.append(task.raw)
     assert order == [b"batch", b"later", b"early-0", b"early-1"]
-    assert task.raw == b"left"
-    pool._spare.appendleft(task)  # as if never taken
+    assert task.raw == b"left" and queue.take() is None and not queue
+
+    pool = PreprocessPool(adapters["tiny-qwen2.5-vl"], LIMITS, workers=1)  # not started: nothing takes tasks
+    left = pool.submit("image", [b"left"], spare=True)
+    pool.claim(pool.submit("image", [b"claimed"], spare=True))
     pool.close()
     assert left.result(timeout=5)[0].status == 503
 
