@@ -108,16 +108,25 @@ class PerformanceWindow:
 class LoopLagMonitor:
     """How late the event loop runs a timer, the usual sign of a blocked loop: a timer every
     `interval_s` (0.1 s: ten callbacks a second cost nothing), each one's lateness set on `gauge` and,
-    when given, observed by `histogram`, so percentiles over a burst can be read from /metrics."""
+    when given, observed by `histogram`, so percentiles over a burst can be read from /metrics.
 
-    def __init__(self, gauge: Gauge, interval_s: float = 0.1, histogram: Histogram | None = None) -> None:
+    With `cpu`, each tick also adds the CPU time its thread used since the last tick: the thread
+    running the loop, so the counter's rate is how busy the loop is. Lag with the loop's thread near
+    one core means a loop with more work than it can do (scale out); lag with the thread idle means
+    the thread waits (for the GIL, or in a blocking call)."""
+
+    def __init__(self, gauge: Gauge, interval_s: float = 0.1, histogram: Histogram | None = None,
+                 cpu: Counter | None = None) -> None:
         self._gauge = gauge
         self._histogram = histogram
+        self._cpu = cpu
+        self._cpu_seen = 0.0
         self.interval_s = interval_s
         self._handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._cpu_seen = time.thread_time()
         expected = loop.time() + self.interval_s
         self._handle = loop.call_at(expected, self._tick, loop, expected)
 
@@ -126,6 +135,9 @@ class LoopLagMonitor:
         self._gauge.set(lag)
         if self._histogram is not None:
             self._histogram.observe(lag)
+        if self._cpu is not None:
+            cpu, self._cpu_seen = self._cpu_seen, time.thread_time()
+            self._cpu.inc(max(0.0, self._cpu_seen - cpu))
         expected = loop.time() + self.interval_s
         self._handle = loop.call_at(expected, self._tick, loop, expected)
 
@@ -177,6 +189,10 @@ class ServerMetrics:
         self.loop_lag_ticks = Histogram(
             "encoder_event_loop_tick_lag_seconds", "How late each 100 ms event-loop timer ran", ["loop"],
             buckets=LAG_BUCKETS, registry=r)
+        self.loop_cpu = Counter(
+            "encoder_event_loop_cpu_seconds_total",
+            "CPU time of the thread running an event loop: its rate near 1 is a loop with more work than it can do",
+            ["loop"], registry=r)
         self.healthy = Gauge("encoder_healthy", "1 when the last health probe passed and the server is not draining",
                              registry=r)
         self.bytes_sent = Counter(
@@ -219,7 +235,8 @@ class ServerMetrics:
     def loop_lag_monitor(self, loop: str) -> LoopLagMonitor:
         """The monitor that feeds `encoder_event_loop_lag_seconds` and its per-tick histogram for `loop`
         ("http" or "scheduler"); start it on that loop."""
-        return LoopLagMonitor(self.loop_lag.labels(loop), histogram=self.loop_lag_ticks.labels(loop))
+        return LoopLagMonitor(self.loop_lag.labels(loop), histogram=self.loop_lag_ticks.labels(loop),
+                              cpu=self.loop_cpu.labels(loop))
 
     def record_housekeeping(self, released_bytes: int, collect_s: float, trim_s: float) -> None:
         """Called from the housekeeping thread (prometheus_client's metrics are thread-safe)."""

@@ -3,11 +3,16 @@
 Starts `encode-server` on a free loopback port (`--max-pending` above the burst, so every request is
 admitted), sends `--requests` /encode requests at once (56-140 px images, a third with
 `return_embedding`), and reads `encoder_event_loop_tick_lag_seconds` (a histogram of every 100 ms
-loop timer) from /metrics before and after: the difference is the burst's own lag distribution.
+loop timer) from /metrics before and after: the difference is the burst's own lag distribution,
+with the CPU each loop's thread used (`encoder_event_loop_cpu_seconds_total`; `busy` is that over the
+burst's duration: near 1, the loop had more work than it could do).
 The first burst opens one connection per request; later `--rounds` reuse them, as a router's pool
 would. Also prints the request latencies and statuses. Loopback only; the request count is bounded.
 
-    python scripts/loop_lag.py --requests 2000
+`--floor` also runs an idle event loop in a process of its own during the bursts, with the same
+100 ms timer: how late this machine itself runs a timer while the server and the load use its cores.
+
+    python scripts/loop_lag.py --requests 2000 --floor
 """
 
 from __future__ import annotations
@@ -29,11 +34,30 @@ from encode_server.bench.launcher import ServerProcess  # noqa: E402
 from scripts.rss_soak import mix_images  # noqa: E402
 
 HISTOGRAM = "encoder_event_loop_tick_lag_seconds"
+LOOP_CPU = "encoder_event_loop_cpu_seconds_total"
+
+#: The `--floor` process: an idle loop timing a 100 ms timer until its stdin closes, then one JSON line.
+FLOOR = """
+import asyncio, json, sys
+async def main():
+    loop = asyncio.get_running_loop()
+    done, lags = asyncio.Event(), []
+    loop.add_reader(sys.stdin.fileno(), done.set)
+    while not done.is_set():
+        expected = loop.time() + 0.1
+        await asyncio.sleep(0.1)
+        lags.append(max(0.0, loop.time() - expected))
+    lags.sort()
+    at = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))] * 1e3, 2)
+    print(json.dumps({"ticks": len(lags), "lag_p50_ms": at(0.5), "lag_p99_ms": at(0.99), "worst_ms": at(1.0)}))
+asyncio.run(main())
+"""
 
 
 async def lag_buckets(session: aiohttp.ClientSession, url: str) -> dict[str, dict]:
     """Cumulative bucket counts of the lag histogram, by loop ("http", "scheduler") and upper bound; and
-    under "batches", the count and sum of `encoder_batch_size` (forwards, and requests fused in them)."""
+    under "batches", the count and sum of `encoder_batch_size` (forwards, and requests fused in them); under
+    "cpu", each loop's thread's CPU seconds."""
     async with session.get(url + "/metrics") as response:
         text = await response.text()
     loops: dict[str, dict[float, float]] = {}
@@ -46,6 +70,9 @@ async def lag_buckets(session: aiohttp.ClientSession, url: str) -> dict[str, dic
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             loop = line.split('loop="', 1)[1].split('"', 1)[0] if 'loop="' in line else "event"
             loops.setdefault(loop, {})[math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(LOOP_CPU + "{"):
+            loop = line.split('loop="', 1)[1].split('"', 1)[0]
+            loops.setdefault("cpu", {})[loop] = float(line.rsplit(" ", 1)[1])
     if not loops:
         raise SystemExit(f"the server exports no {HISTOGRAM}")
     return loops
@@ -112,8 +139,11 @@ def summarise(round_index: int, count: int, statuses: dict[str, int], elapsed: f
     summary["forwards"] = int(batches["count"])
     summary["mean_batch_size"] = round(batches["sum"] / max(1.0, batches["count"]), 2)
     for loop, loop_after in sorted(after.items()):
-        if loop != "batches":
+        if loop not in ("batches", "cpu"):
             summary[loop + "_loop"] = loop_summary(before.get(loop, {}), loop_after)
+            if loop in after.get("cpu", {}):
+                cpu = after["cpu"][loop] - before.get("cpu", {}).get(loop, 0.0)
+                summary[loop + "_loop"].update(cpu_s=round(cpu, 2), busy=round(cpu / elapsed, 2))
     return summary
 
 
@@ -152,9 +182,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="where py-spy writes its collapsed stacks (one line per stack, per thread)")
     parser.add_argument("--py-spy-seconds", type=int, default=8)
     parser.add_argument("--py-spy-args", default="", help="more py-spy record flags, e.g. '--gil' or '--idle'")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time an idle event loop in a process of its own during the bursts")
+    parser.add_argument("--server-module", default="encode_server",
+                        help="run this module instead of encode_server (an experiment: scripts.bounded_loop_server)")
     args = parser.parse_args(argv)
     server_args = ["--max-pending", str(args.requests + 100), *args.server_args.split()]
-    with ServerProcess(*server_args) as server:
+    with ServerProcess(*server_args, module=args.server_module) as server:
         profile = None
         if args.py_spy:
             extra = args.py_spy_args.split()
@@ -162,7 +196,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 extra.append("--nonblocking")
             profile = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.py_spy_seconds),
                        "--rate", "200", "--threads", "--format", "raw", "--output", args.py_spy_out, *extra]
-        results = asyncio.run(burst(server.url, args.requests, mix_images(), args.rounds, profile))
+        floor = subprocess.Popen([sys.executable, "-c", FLOOR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True) if args.floor else None
+        results: list[dict] = []
+        try:
+            results = asyncio.run(burst(server.url, args.requests, mix_images(), args.rounds, profile))
+        finally:
+            if floor is not None:
+                out, _ = floor.communicate(timeout=10)  # closing its stdin ends it
+                results.append({"floor_idle_loop_in_own_process": json.loads(out)})
     for result in results:
         print(json.dumps(result), flush=True)
     return results

@@ -71,6 +71,13 @@ def test_metrics_move_under_load_with_millisecond_buckets(server):
         ticks = sample(after, "encoder_event_loop_tick_lag_seconds", "encoder_event_loop_tick_lag_seconds_count",
                        loop=loop)
         assert ticks > 0, loop
+    # ... and the CPU of the thread running each: the HTTP loop parsed 24 requests' worth, and neither
+    # loop can have used more than a core for the time the server has run.
+    cpu = {loop: sample(after, "encoder_event_loop_cpu_seconds", "encoder_event_loop_cpu_seconds_total", loop=loop)
+           for loop in ("http", "scheduler")}
+    assert cpu["http"] > 0 and cpu["scheduler"] >= 0, cpu
+    uptime = time.time() - sample(after, "process_start_time_seconds")
+    assert max(cpu.values()) <= uptime, (cpu, uptime)
     assert sample(after, "encoder_healthy") == 1
 
 
@@ -222,6 +229,35 @@ def test_loop_lag_monitor_sees_a_blocked_loop():
     quiet = asyncio.run(scenario())
     assert quiet < 0.05
     assert 0.2 <= gauge._value.get() < 1.0
+
+
+def test_loop_lag_monitor_counts_its_threads_cpu():
+    """A loop that computes for 0.3 s adds about that much CPU; one that sleeps 0.3 s adds almost none.
+    Lag alone cannot tell the two apart when another thread holds the loop's thread up."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry = CollectorRegistry()
+    gauge = Gauge("lag_cpu_test", "lag", registry=registry)
+    cpu = Counter("lag_cpu_test_cpu", "cpu", registry=registry)
+
+    def busy(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def scenario() -> tuple[float, float]:
+        monitor = LoopLagMonitor(gauge, interval_s=0.05, cpu=cpu)
+        monitor.start()
+        await asyncio.sleep(0.3)  # idle: the thread sleeps in the selector
+        idle = cpu._value.get()
+        busy(0.3)
+        await asyncio.sleep(0.12)  # two ticks: the overdue one and the next
+        monitor.stop()
+        return idle, cpu._value.get() - idle
+
+    idle, worked = asyncio.run(scenario())
+    assert idle < 0.1
+    assert 0.25 <= worked < 0.6
 
 
 def test_performance_window_forgets_after_its_span():
