@@ -78,7 +78,8 @@ class EncoderEngine:
         self.metrics = metrics
         self.replicas = replicas
         self.preprocessor = preprocessor  # a preprocess_pool.PreprocessPool, or None: preprocess in a thread here
-        self._prefetched: dict[int, concurrent.futures.Future] = {}  # id(job) -> its pool submission
+        # id(job) -> (job, its pool submission): the job is kept so its id cannot be reused while listed
+        self._prefetched: dict[int, tuple[EncodeJob, concurrent.futures.Future]] = {}
         self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess")
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward")
 
@@ -94,21 +95,21 @@ class EncoderEngine:
         if not self.can_prefetch or not self._poolable(job) or id(job) in self._prefetched:
             return False
         future = self.preprocessor.submit(job.modality, job.raw_items, _locations(job), spare=True)
-        self._prefetched[id(job)] = future
+        self._prefetched[id(job)] = (job, future)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         return True
 
     def prepared_ahead(self, job: EncodeJob) -> bool:
         """Whether what `prefetch` started for `job` is done (its items are ready, or failed)."""
-        future = self._prefetched.get(id(job))
-        return future is not None and future.done()
+        entry = self._prefetched.get(id(job))
+        return entry is not None and entry[1].done()
 
     def forget_prefetch(self, job: EncodeJob) -> None:
         """Drop what `prefetch` started for `job`: items not started are skipped, those done given back."""
-        future = self._prefetched.pop(id(job), None)
-        if future is not None:
-            self.preprocessor.discard(future)
+        entry = self._prefetched.pop(id(job), None)
+        if entry is not None:
+            self.preprocessor.discard(entry[1])
 
     def close(self) -> None:
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
@@ -216,7 +217,7 @@ class EncoderEngine:
     async def _prepare_in_pool(self, modality: str, jobs: Sequence[EncodeJob]) -> list[Any]:
         """Every job's items, prepared by the pool, in order: the prefetched jobs' own submissions (claimed,
         in case they have not started), one submission for the others. Cancelled, it discards them all."""
-        ahead = {id(job): self._prefetched.pop(id(job)) for job in jobs if id(job) in self._prefetched}
+        ahead = {id(job): self._prefetched.pop(id(job))[1] for job in jobs if id(job) in self._prefetched}
         for future in ahead.values():
             self.preprocessor.claim(future)
         fresh = [job for job in jobs if id(job) not in ahead]

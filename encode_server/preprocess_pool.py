@@ -155,7 +155,7 @@ class PreprocessPool:
             raise PoolError(message)
 
     def submit(self, modality: str, items: Sequence[bytes | list[bytes]],
-               locations: Sequence[str] | None = None, spare: bool = False) -> Future:
+               locations: Sequence[str] | None = None, spare: bool = False) -> SubmissionFuture:
         """A future of one `PreparedBatch` (a single item's) or `ItemFailure` per item, in order. `spare`
         items wait until no other item does (see the module docstring)."""
         future = SubmissionFuture()  # left pending (not running), so that cancelling it drops its items
@@ -173,11 +173,10 @@ class PreprocessPool:
         future.set_result([ItemFailure(503, self.broken or "the preprocessing pool is shut down")] * len(items))
         return future
 
-    def claim(self, future: Future) -> None:
+    def claim(self, future: SubmissionFuture) -> None:
         """The items of a `spare` submission are needed now: they go before other spare work."""
-        submission = getattr(future, "submission", None)
-        if submission is not None:
-            submission.spare = False  # read by the conductor when it next picks a task: no lock, no wake needed
+        if future.submission is not None:  # None: it had no items, and is answered already
+            future.submission.spare = False  # read by the conductor when it next picks a task: no lock, no wake needed
 
     def discard(self, future: Future) -> None:
         """Nobody will read this submission: its items not started are dropped, and the slots of those done

@@ -249,7 +249,7 @@ class EncoderScheduler:
         for queue in self._queues.queues.values():
             if room <= 0:
                 return
-            for pending in itertools.islice(queue, self._prefetched + room):
+            for pending in itertools.islice(queue, self.prefetch_limit):  # this queue's first ones
                 if room <= 0:
                     break
                 if not pending.prefetched and self.engine.prefetch(pending.job, self._wake_from_any_thread):

@@ -684,11 +684,11 @@ def test_engine_uses_work_ahead_once_and_gives_back_what_it_forgets(adapters):
             forgotten = job(f"gone-{index}", encoded(224, 168, 800 + index, "JPEG"))
             assert engine.prefetch(forgotten)
             if index < 9:  # nine done (they hold slots until given back), the last one forgotten at once
-                wait_until(lambda job=forgotten: engine._prefetched[id(job)].done(), 60)
+                wait_until(lambda job=forgotten: engine.prepared_ahead(job), 60)
             engine.forget_prefetch(forgotten)
         ahead, fresh = job("ahead", encoded(140, 84, 900)), job("fresh", encoded(84, 140, 901))
         assert engine.prefetch(ahead) and not engine.prefetch(ahead)  # once per job
-        wait_until(lambda: engine._prefetched[id(ahead)].done(), 60)
+        wait_until(lambda: engine.prepared_ahead(ahead), 60)
         before = pool.stats()[0]
         parts = asyncio.run(engine.encode("image", [ahead, fresh]))
         after = pool.stats()[0]
