@@ -21,6 +21,7 @@ import torch
 from processors import EncoderAdapter
 
 from .decoding import MediaError, MediaLimits
+from .demand import Demand, SharedDemand
 from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
 from .media import LoadedItem, MediaLoader, MediaSource, RawItem, each_in_order
 from .memory import default_cache_bytes
@@ -28,8 +29,9 @@ from .metrics import ServerMetrics
 from .records import EncodedPart, EncodeError, PartMeta, Timings
 from .settings import Settings
 
-#: (meta, decoded items, decode seconds, priority) -> the job's rows, through the scheduler.
-SubmitJob = Callable[[PartMeta, list[LoadedItem], float, int], Awaitable[EncodedPart]]
+#: (meta, decoded items, decode seconds, the demands of the requests waiting) -> the job's rows, through the
+#: scheduler, which orders it by the most urgent of them and hears of joins and leaves.
+SubmitJob = Callable[[PartMeta, list[LoadedItem], float, SharedDemand], Awaitable[EncodedPart]]
 
 
 class CachedEncoding:
@@ -45,26 +47,28 @@ class CachedEncoding:
         self.submit = submit
 
     async def encode(self, meta: PartMeta, sources: list[MediaSource], started: float,
-                     priority: int = 0) -> EncodedPart:
+                     demand: Demand | None = None) -> EncodedPart:
         """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
         encoded for other requests, and encode only the rest, in one job; rows come back in item order.
 
         The missing items' decode and encode run in the cache's shared computation, detached from this
         request: if it is cancelled or times out, requests waiting for the same items still get them.
+        Its place in the scheduler's queue follows the most urgent request waiting for it (`demand`:
+        this request's deadline and priority).
         """
         read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality),
                                      self.describe, self.cache.probably_holds)
         read_s = time.perf_counter() - started
         own: list[EncodedPart] = []
 
-        async def compute(positions: list[int]) -> list[CachedItem]:
-            part = await self._encode_missing(meta, [read[position] for position in positions], priority)
+        async def compute(positions: list[int], waiting: SharedDemand) -> list[CachedItem]:
+            part = await self._encode_missing(meta, [read[position] for position in positions], waiting)
             own.append(part)
             rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
             return [CachedItem.compact(item_rows, layout) for item_rows, layout in zip(rows, part.layouts)]
 
         try:
-            resolved = await self.cache.resolve([item.digest for item in read], compute)
+            resolved = await self.cache.resolve([item.digest for item in read], compute, demand or Demand())
         except MediaError as exc:  # an item's decode failed, maybe in another request's computation
             raise EncodeError(400, _relocated(exc, read), meta.req_id) from None
         except EncodeError as exc:  # the encoder failed; the error may come from another request's computation
@@ -83,7 +87,7 @@ class CachedEncoding:
                            batch_size=part.batch_size if part else 0, timings=timings,
                            cached=tuple(result.cached for result in resolved))
 
-    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], priority: int = 0) -> EncodedPart:
+    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], waiting: SharedDemand) -> EncodedPart:
         """Decode the items the cache misses and encode them as one job (the cache cancels it when no
         request waits for it any more)."""
         started = time.perf_counter()
@@ -96,7 +100,7 @@ class CachedEncoding:
                 raise
 
         results = await each_in_order([decode(item) for item in items])
-        return await self.submit(meta, results, time.perf_counter() - started, priority)
+        return await self.submit(meta, results, time.perf_counter() - started, waiting)
 
 
 def cache_capacity(settings: Settings) -> int:

@@ -17,6 +17,9 @@ what produced them, and makes concurrent requests for the same item share one co
   the computation for it as its own task; later callers for that key wait for the same result. The
   computation belongs to no caller: if the one that started it is cancelled, disconnects or times
   out, it goes on for the others; it is cancelled only when no caller waits for it any more.
+- **Urgency** (`demand.SharedDemand`): each caller may bring its `Demand` (deadline, priority); a
+  computation hands the demands of everyone waiting for it to `compute`, so the encode it queues is
+  ordered by its most urgent waiter and lives as long as its longest, and hears of joins and leaves.
 - **Failures** are never cached. Every caller waiting on a failed computation gets the same
   exception, once; nobody retries it (a retry per waiter would encode a poisonous item once per
   waiter, one after another). A later request for the key starts afresh.
@@ -43,6 +46,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .demand import Demand, SharedDemand
 
 #: Bytes an entry costs besides its rows: the key, the layout, the tensor object and the LRU's node.
 #: tracemalloc sees about 410 bytes of Python objects per entry; torch's C++ tensor header comes on top.
@@ -101,17 +106,19 @@ class CacheStats:
         return self.hits / lookups if lookups else 0.0
 
 
-#: `compute(positions)` produces the items at those positions of the caller's keys, in that order.
-Compute = Callable[[list[int]], Awaitable[Sequence[CachedItem]]]
+#: `compute(positions, demand)` produces the items at those positions of the caller's keys, in that order;
+#: `demand` holds the demands of the callers waiting for it, now and as they come and go.
+Compute = Callable[[list[int], SharedDemand], Awaitable[Sequence[CachedItem]]]
 
 
 class _Computation:
-    """One shared computation of some keys: its task, a future per key, and how many callers wait."""
+    """One shared computation of some keys: its task, a future per key, and who waits (count and demands)."""
 
     def __init__(self, keys: list[Hashable], loop: asyncio.AbstractEventLoop) -> None:
         self.keys = keys
         self.futures: dict[Hashable, asyncio.Future] = {key: loop.create_future() for key in keys}
         self.waiters = 0
+        self.demand = SharedDemand()
         self.task: asyncio.Task | None = None
 
 
@@ -179,16 +186,21 @@ class EmbeddingCache:
         self._entries.clear()
         self.bytes_held = 0
 
-    async def resolve(self, keys: Sequence[Hashable], compute: Compute) -> list[Resolved]:
+    async def resolve(self, keys: Sequence[Hashable], compute: Compute, demand: Demand | None = None
+                      ) -> list[Resolved]:
         """Every key's item, in order: stored ones at once, others from one shared computation each.
 
         The keys nobody is computing yet are claimed by this caller and passed to `compute` (their
-        positions in `keys`, first occurrence only), which runs as a task of its own. Raises the
-        exception of a failed computation (of the first failed key in `keys` order); a cancelled
-        caller only stops waiting.
+        positions in `keys`, first occurrence only), which runs as a task of its own. `demand`, when
+        given, joins the demands of every computation this caller waits for, until it stops waiting.
+        Raises the exception of a failed computation (of the first failed key in `keys` order); a
+        cancelled caller only stops waiting.
         """
         if not self.enabled:
-            return [Resolved(item, cached=False) for item in await _checked(compute, list(range(len(keys))))]
+            alone = SharedDemand()
+            if demand is not None:
+                alone.join(demand)
+            return [Resolved(item, cached=False) for item in await _checked(compute, list(range(len(keys))), alone)]
         results: list[Resolved | None] = [None] * len(keys)
         waits: dict[int, _Computation] = {}  # position -> the computation it waits for
         claimed: dict[Hashable, int] = {}  # key -> the first position of it this caller computes
@@ -216,6 +228,8 @@ class EmbeddingCache:
         computations = {id(c): c for c in waits.values()}.values()
         for computation in computations:
             computation.waiters += 1
+            if demand is not None:
+                computation.demand.join(demand)
         try:
             futures = {computation.futures[keys[position]] for position, computation in waits.items()}
             # asyncio.wait never cancels what it waits for: a cancelled caller leaves the work running.
@@ -230,6 +244,8 @@ class EmbeddingCache:
             return results  # type: ignore[return-value]
         finally:
             for computation in computations:
+                if demand is not None:
+                    computation.demand.leave(demand)
                 self._release(computation)
 
     def _start(self, keys: list[Hashable], positions: list[int], compute: Compute) -> _Computation:
@@ -242,7 +258,7 @@ class EmbeddingCache:
 
     async def _run(self, computation: _Computation, compute: Compute, positions: list[int]) -> None:
         try:
-            items = await _checked(compute, positions)
+            items = await _checked(compute, positions, computation.demand)
         except BaseException as exc:  # noqa: BLE001 (cancellation included: waiters must hear of it)
             self._settle(computation, error=exc)
             if not isinstance(exc, asyncio.CancelledError):
@@ -278,8 +294,8 @@ class EmbeddingCache:
         computation.task.cancel()
 
 
-async def _checked(compute: Compute, positions: list[int]) -> Sequence[CachedItem]:
-    items = list(await compute(positions))
+async def _checked(compute: Compute, positions: list[int], demand: SharedDemand) -> Sequence[CachedItem]:
+    items = list(await compute(positions, demand))
     if len(items) != len(positions):
         raise RuntimeError(f"the computation returned {len(items)} items for {len(positions)}")
     return items

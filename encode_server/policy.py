@@ -68,6 +68,12 @@ class QueuedView:
     tokens: int  # encoder output tokens it will produce
     priority: int = 0  # higher goes first
     deadline: float = math.inf  # when it fails 504, in the scheduler's clock
+    expires: float | None = None  # if later than `deadline`: when it is dropped (a shared encode, see `demand`)
+
+    @property
+    def lifetime_end(self) -> float:
+        """When it leaves the queue with 504: its deadline, or a later `expires`."""
+        return self.deadline if self.expires is None else max(self.deadline, self.expires)
 
 
 def queue_key(view: QueuedView) -> tuple[float, float, float]:

@@ -15,6 +15,7 @@ No asyncio and no clock here: the scheduler owns the queues and passes `now` in.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -91,18 +92,21 @@ class PolicyQueue(Generic[T]):
         return [entry.item for entry in entries]
 
     def pop_expired(self, now: float) -> list[T]:
-        """Remove and return the requests whose deadline is at or before `now` (each level's head)."""
+        """Remove and return the requests whose lifetime ended at or before `now`. Only the prefix of each
+        priority level whose deadline has passed is looked at: a request outlives its deadline only when it
+        `expires` later (a shared encode whose most urgent waiter left), and such a one is urgent anyway."""
         expired: list[T] = []
-        start = 0
-        while start < len(self._entries):
-            head = self._entries[start]
-            priority = head.view.priority
-            if head.view.deadline <= now:
-                del self._entries[start]
-                del self._by_item[id(head.item)]
-                expired.append(head.item)
-                continue
-            start = self._entries.bisect_key_right((-priority, float("inf"), float("inf"), float("inf")))
+        index = 0
+        while index < len(self._entries):
+            entry = self._entries[index]
+            if entry.view.deadline > now:  # the rest of this level is later still: on to the next level
+                index = self._entries.bisect_key_right((-entry.view.priority, math.inf, math.inf, math.inf))
+            elif entry.view.lifetime_end <= now:
+                del self._entries[index]
+                del self._by_item[id(entry.item)]
+                expired.append(entry.item)
+            else:
+                index += 1
         return expired
 
     def last(self) -> tuple[QueuedView, T] | None:

@@ -71,14 +71,19 @@ class PendingRequest:
     __slots__ = ("job", "future", "submit_time", "deadline", "view", "priority", "prefetched")
 
     def __init__(self, job: EncodeJob, deadline: float, submit_time: float,
-                 future: asyncio.Future[EncodedPart], priority: int = 0) -> None:
+                 future: asyncio.Future[EncodedPart], priority: int = 0, expires: float | None = None) -> None:
         self.job = job
         self.future = future
         self.submit_time = submit_time
-        self.deadline = deadline  # in the scheduler's clock
-        self.priority = priority
         self.prefetched = False  # its items are being prepared ahead (`EncoderScheduler._prefetch`)
-        self.view = QueuedView(arrival=submit_time, tokens=job.tokens, priority=priority, deadline=deadline)
+        self.reprioritize(deadline, priority, expires)
+
+    def reprioritize(self, deadline: float, priority: int, expires: float | None = None) -> None:
+        """Set its place in the policy's order (`deadline` in the scheduler's clock) and when it expires."""
+        self.deadline = deadline
+        self.priority = priority
+        self.view = QueuedView(arrival=self.submit_time, tokens=self.job.tokens, priority=priority,
+                               deadline=deadline, expires=expires)
 
 
 class EncoderScheduler:
@@ -98,6 +103,7 @@ class EncoderScheduler:
         self._probes: deque[PendingRequest] = deque()
         self._queues: ModalityQueues[PendingRequest] = ModalityQueues()
         self._gone: deque[PendingRequest] = deque()  # cancelled by their callers while queued
+        self._by_future: dict[asyncio.Future, PendingRequest] = {}  # submitted and not ended yet
         self._wake = asyncio.Event()
         self._in_flight = 0
         self._batches: set[asyncio.Task] = set()
@@ -162,20 +168,38 @@ class EncoderScheduler:
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
 
-    def submit(self, job: EncodeJob, deadline: float, priority: int = 0) -> asyncio.Future[EncodedPart]:
+    def submit(self, job: EncodeJob, deadline: float, priority: int = 0,
+               expires: float | None = None) -> asyncio.Future[EncodedPart]:
         """Queue a job (`deadline` in the scheduler's clock; higher `priority` first); the future ends with
         its `EncodedPart` or an `EncodeError`. Cancelling the future drops the job before it reaches the
-        encoder."""
+        encoder. `expires`, when later than `deadline`, is when it fails 504 instead: an encode shared by
+        several requests is ordered by the most urgent and lives as long as the last (`demand`)."""
         future: asyncio.Future[EncodedPart] = asyncio.get_running_loop().create_future()
-        pending = PendingRequest(job, deadline, self.clock.now(), future, priority)
-        future.add_done_callback(lambda done: self._forget(pending) if done.cancelled() else None)
+        pending = PendingRequest(job, deadline, self.clock.now(), future, priority, expires)
+        self._by_future[future] = pending
+        future.add_done_callback(lambda done: self._forget(pending, cancelled=done.cancelled()))
         self._inbox.append(pending)
         self._wake.set()
         return future
 
-    def _forget(self, pending: PendingRequest) -> None:
-        self._gone.append(pending)
-        self._wake.set()
+    def reprioritize(self, future: asyncio.Future[EncodedPart], deadline: float, priority: int,
+                     expires: float | None = None) -> None:
+        """Move a submitted job (by the future `submit` gave) to the place its new deadline and priority give
+        it; a no-op once it has been dispatched or has ended."""
+        pending = self._by_future.get(future)
+        if pending is None:
+            return
+        queued = self._queues.discard(pending.job.modality, pending)
+        pending.reprioritize(deadline, priority, expires)
+        if queued:
+            self._queues.add(pending.job.modality, pending.view, pending)
+            self._wake.set()
+
+    def _forget(self, pending: PendingRequest, cancelled: bool) -> None:
+        del self._by_future[pending.future]
+        if cancelled:
+            self._gone.append(pending)
+            self._wake.set()
 
     def evict_for(self, priority: int) -> bool:
         """Make room for a newcomer of `priority` at the admission cap: fail the queued request of lower

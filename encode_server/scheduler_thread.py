@@ -1,4 +1,4 @@
-"""The scheduler and its engine on an event loop of their own, in a thread of their own (issue 15).
+"""The scheduler and its engine on an event loop of their own, in a thread of their own.
 
 On the HTTP server's loop, the queue's owner waits behind whatever that loop has to do: a burst of
 2,000 connections is accepted, parsed and validated in loop iterations of up to 0.25-0.5 s, and a
@@ -7,7 +7,7 @@ decodes, delivers and answers, and the scheduler's loop only queues, decides and
 timers fire on time whatever the HTTP side is doing.
 
 `SchedulerThread` offers the HTTP side what `EncoderScheduler` offers on one loop: `submit` (a future
-on the caller's loop; cancelling it drops the job as before), `evict_for`, `fail_queued`,
+on the caller's loop; cancelling it drops the job as before), `reprioritize`, `evict_for`, `fail_queued`,
 `queue_depth`, `running`, `stop`, and `run(fn)` for anything else that must touch the scheduler or
 its engine on their loop. Messages between the loops go through `Mailbox`es that wake their loop
 once for however many messages arrived meanwhile (a batch's results cost the HTTP loop one wake-up),
@@ -156,7 +156,8 @@ class SchedulerThread:
     def batches_in_flight(self) -> int:
         return self.scheduler.batches_in_flight
 
-    def submit(self, job: EncodeJob, deadline: float, priority: int = 0) -> asyncio.Future[EncodedPart]:
+    def submit(self, job: EncodeJob, deadline: float, priority: int = 0,
+               expires: float | None = None) -> asyncio.Future[EncodedPart]:
         """As `EncoderScheduler.submit`, from the caller's loop: the future is the caller's."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[EncodedPart] = loop.create_future()
@@ -166,20 +167,31 @@ class SchedulerThread:
         replies = self._replies.get(loop)
         if replies is None:
             replies = self._replies.setdefault(loop, Mailbox(loop))
-        self._inbox.post(self._submit_here, future, replies, job, deadline, priority)
+        self._inbox.post(self._submit_here, future, replies, job, deadline, priority, expires)
         future.add_done_callback(self._on_caller_done)
         return future
+
+    def reprioritize(self, future: asyncio.Future[EncodedPart], deadline: float, priority: int,
+                     expires: float | None = None) -> None:
+        """As `EncoderScheduler.reprioritize`, for a future this `submit` gave (posted after its submission,
+        so it always finds it queued, dispatched or ended)."""
+        self._inbox.post(self._reprioritize_here, future, deadline, priority, expires)
+
+    def _reprioritize_here(self, outer: asyncio.Future, deadline: float, priority: int, expires: float | None) -> None:
+        inner = self._inner.get(outer)
+        if inner is not None:
+            self.scheduler.reprioritize(inner, deadline, priority, expires)
 
     def _on_caller_done(self, future: asyncio.Future) -> None:
         if future.cancelled():
             self._inbox.post(self._cancel_here, future)
 
     def _submit_here(self, outer: asyncio.Future, replies: Mailbox, job: EncodeJob, deadline: float,
-                     priority: int) -> None:
+                     priority: int, expires: float | None) -> None:
         if outer.cancelled():  # its caller gave up before the job got here
             return
         try:
-            inner = self.scheduler.submit(job, deadline, priority)
+            inner = self.scheduler.submit(job, deadline, priority, expires)
         except Exception as exc:  # a bug: still answer the caller
             replies.post(_fail_unless_done, outer, EncodeError(500, f"could not queue the request: {exc}", job.req_id))
             return

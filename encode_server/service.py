@@ -29,6 +29,7 @@ from .clock import Clock, MonotonicClock
 from .cost_model import CostModel
 from .decoding import MediaError, MediaLimits
 from .delivery import Delivery, NativeWire, WireFormat
+from .demand import Demand, SharedDemand
 from .embedding_cache import EmbeddingCache
 from .engine import EncoderEngine
 from .health import HealthProbe
@@ -133,12 +134,10 @@ class EncoderService:
         self.cache = EmbeddingCache(cache_capacity(settings))
         self.metrics.watch_cache(self.cache)
         # The embedding cache's request path (off with --cache-bytes 0); its misses come back through
-        # `_submit`, with the longest deadline a request may have: other requests may wait for them.
+        # `_submit_shared`, ordered by the most urgent request waiting for them.
         self.cached = CachedEncoding(
             self.cache, item_keys(adapter, limits), self.media, adapter.item_layout, self.metrics,
-            lambda meta, loaded, decode_s, priority: self._submit(
-                meta, loaded, decode_s, self.clock.now() + settings.req_timeout_s, priority),
-        ) if self.cache.enabled else None
+            self._submit_shared) if self.cache.enabled else None
         self.engine: EncoderEngine
         self.costs = CostModel()
         self.scheduler: EncoderScheduler | SchedulerThread = (
@@ -251,7 +250,7 @@ class EncoderService:
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
             if self.cached is not None and not probe:
-                return await self.cached.encode(meta, sources, decode_started, priority)
+                return await self.cached.encode(meta, sources, decode_started, Demand(deadline, priority))
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
@@ -260,11 +259,26 @@ class EncoderService:
     async def _submit(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, deadline: float,
                       priority: int = 0, probe: bool = False) -> EncodedPart:
         """Queue a part's decoded items as one job and await its rows."""
+        return await self.scheduler.submit(self._job(meta, loaded, decode_s, probe), deadline, priority)
+
+    async def _submit_shared(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float,
+                             waiting: SharedDemand) -> EncodedPart:
+        """Queue the embedding cache's misses as one job that belongs to the requests `waiting` for it: placed
+        by the most urgent of them, dropped only after the last one's deadline, and moved as they come and go."""
+        urgency = waiting.urgency
+        future = self.scheduler.submit(self._job(meta, loaded, decode_s), urgency.deadline, urgency.priority,
+                                       urgency.expires)
+        waiting.watch(lambda now: self.scheduler.reprioritize(future, now.deadline, now.priority, now.expires))
+        try:
+            return await future
+        finally:
+            waiting.watch(None)
+
+    def _job(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, probe: bool = False) -> EncodeJob:
         self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
-        job = EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
-                        layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
-                        decode_s=decode_s, probe=probe)
-        return await self.scheduler.submit(job, deadline, priority)
+        return EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
+                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
+                         decode_s=decode_s, probe=probe)
 
     async def register_receiver(self, payload: Any) -> dict[str, Any]:
         """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""

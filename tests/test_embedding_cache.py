@@ -19,8 +19,11 @@ from encode_server.embedding_cache import (
     ItemKeys,
     adapter_fingerprint,
 )
+from encode_server.demand import Demand, SharedDemand, Urgency
 from encode_server.memory import default_cache_bytes, parse_byte_size, parse_cache_bytes
 from processors import ItemLayout, load_adapter
+
+from .fakes import settle
 
 DIM = 8
 
@@ -38,11 +41,13 @@ class FakeEncoder:
     def __init__(self, tokens: int = 4, gate: asyncio.Event | None = None, error: Exception | None = None):
         self.tokens, self.gate, self.error = tokens, gate, error
         self.calls: list[list[str]] = []
+        self.demands: list[SharedDemand] = []  # each computation's waiters
         self.cancelled = 0
 
     def for_keys(self, keys: list[str]):
-        async def compute(positions: list[int]) -> list[CachedItem]:
+        async def compute(positions: list[int], demand: SharedDemand) -> list[CachedItem]:
             self.calls.append([keys[p] for p in positions])
+            self.demands.append(demand)
             try:
                 if self.gate is not None:
                     await self.gate.wait()
@@ -61,8 +66,8 @@ class FakeEncoder:
         return sum(len(call) for call in self.calls)
 
 
-async def resolve(cache: EmbeddingCache, encoder: FakeEncoder, keys: list[str]):
-    return await cache.resolve(keys, encoder.for_keys(keys))
+async def resolve(cache: EmbeddingCache, encoder: FakeEncoder, keys: list[str], demand: Demand | None = None):
+    return await cache.resolve(keys, encoder.for_keys(keys), demand)
 
 
 # --- hits, misses, order --------------------------------------------------------------------------
@@ -262,12 +267,50 @@ async def test_a_failure_of_one_item_fails_the_call_but_caches_nothing_of_that_c
 async def test_a_computation_returning_the_wrong_count_fails():
     cache = EmbeddingCache(1 << 20)
 
-    async def short(positions):
+    async def short(positions, demand):
         return []
 
     with pytest.raises(RuntimeError, match="returned 0 items for 1"):
         await cache.resolve(["a"], short)
     assert "a" not in cache and cache.in_flight == 0
+
+
+async def test_a_computation_is_ordered_by_its_most_urgent_waiter_and_lives_as_long_as_the_last():
+    cache, gate = EmbeddingCache(1 << 20), asyncio.Event()
+    encoder = FakeEncoder(gate=gate)
+    heard: list[Urgency] = []
+    owner = asyncio.create_task(resolve(cache, encoder, ["img"], Demand(deadline=50.0, priority=0)))
+    await settle()
+    [waiting] = encoder.demands
+    assert waiting.urgency == Urgency(deadline=50.0, priority=0, expires=50.0)
+    waiting.watch(heard.append)
+    urgent = asyncio.create_task(resolve(cache, encoder, ["img"], Demand(deadline=10.0, priority=0)))
+    important = asyncio.create_task(resolve(cache, encoder, ["img"], Demand(deadline=90.0, priority=3)))
+    await settle()
+    assert heard == [Urgency(10.0, 0, 50.0), Urgency(10.0, 3, 90.0)]
+    urgent.cancel()  # the most urgent waiter leaves: the computation falls back, and goes on
+    await settle()
+    assert heard[-1] == Urgency(50.0, 3, 90.0) and encoder.cancelled == 0
+    gate.set()
+    assert [len(await task) for task in (owner, important)] == [1, 1]
+    assert encoder.calls == [["img"]] and len(waiting) == 0
+
+
+async def test_the_last_waiter_leaving_cancels_without_a_change_of_urgency():
+    cache, encoder = EmbeddingCache(1 << 20), FakeEncoder(gate=asyncio.Event())
+    heard: list[Urgency] = []
+    only = asyncio.create_task(resolve(cache, encoder, ["img"], Demand(deadline=5.0)))
+    await settle()
+    encoder.demands[0].watch(heard.append)
+    only.cancel()
+    await settle()
+    assert encoder.cancelled == 1 and heard == []
+
+
+async def test_with_the_cache_off_the_callers_own_demand_reaches_the_computation():
+    encoder = FakeEncoder()
+    await resolve(EmbeddingCache(0), encoder, ["a"], Demand(deadline=7.0, priority=2))
+    assert encoder.demands[0].urgency == Urgency(7.0, 2, 7.0)
 
 
 # --- keys -----------------------------------------------------------------------------------------

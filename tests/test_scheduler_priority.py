@@ -95,6 +95,61 @@ async def test_expired_requests_fail_504_and_never_reach_the_encoder(rig):
     assert engine.batches[1] == ["fine"]
 
 
+async def test_a_job_moved_forward_by_a_more_urgent_or_important_waiter_leaves_earlier(rig):
+    scheduler, engine, clock = rig(BatchPolicy(max_batch_size=1))
+    now = clock.now()
+    scheduler.submit(job("busy"), now + 60)
+    await settle()
+    scheduler.submit(job("first"), now + 30)
+    shared = scheduler.submit(job("shared"), now + 60, expires=now + 60)
+    scheduler.submit(job("important"), now + 60, priority=1)
+    scheduler.reprioritize(shared, now + 10, 2, now + 60)  # a request of priority 2 joined it
+    await finish_running(engine)
+    assert engine.batches[1] == ["shared"]
+    scheduler.reprioritize(shared, now + 1, 5)  # dispatched already: nothing moves
+    await finish_running(engine)
+    assert engine.batches[2] == ["important"]
+
+
+async def test_a_moved_job_is_promoted_before_its_new_deadline(rig):
+    scheduler, engine, clock = rig(BatchPolicy(max_wait_s=5.0, min_batch_size=10, hard_timeout_additional_s=5.0,
+                                               deadline_margin_s=0.1))
+    now = clock.now()
+    shared = scheduler.submit(job("shared"), now + 180, expires=now + 180)
+    await clock.advance(0.1)
+    assert engine.batches == []
+    scheduler.reprioritize(shared, now + 0.3, 0, now + 180)  # a request with 0.3 s to live joined
+    await clock.advance(0.1)
+    assert engine.batches == [["shared"]]
+
+
+async def test_a_shared_job_outlives_its_most_urgent_deadline_until_it_expires(rig):
+    scheduler, engine, clock = rig(BatchPolicy(max_batch_size=4, deadline_margin_s=0.0))
+    now = clock.now()
+    scheduler.submit(job("busy"), now + 60)
+    await settle()
+    shared = scheduler.submit(job("shared"), now + 1.0, expires=now + 5.0)
+    alone = scheduler.submit(job("alone"), now + 1.0)
+    behind = scheduler.submit(job("behind"), now + 2.0)
+
+    async def look_at(seconds: float) -> None:  # a busy scheduler looks at its queue when woken
+        await clock.advance(seconds)
+        scheduler.wake()
+        await settle()
+
+    await look_at(1.0)
+    assert alone.done() and alone.exception().status == 504
+    assert not shared.done() and not behind.done()
+    await look_at(1.0)
+    assert behind.done() and behind.exception().status == 504 and not shared.done()
+    await look_at(2.9)
+    assert not shared.done()
+    await look_at(0.1)
+    assert shared.done() and shared.exception().status == 504
+    await finish_running(engine)
+    assert engine.batches == [["busy"]]
+
+
 async def test_eviction_fails_the_request_served_last_with_503_and_retry_after(rig):
     scheduler, engine, clock = rig(BatchPolicy(max_batch_size=4))
     now = clock.now()

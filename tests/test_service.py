@@ -9,6 +9,7 @@ import base64
 import contextlib
 import dataclasses
 import io
+import zlib
 
 import orjson
 import pytest
@@ -24,10 +25,16 @@ from processors import load_adapter
 from .fakes import FakeClock, settle, until
 from .helpers import image_b64
 
-#: Holds every request (min batch never reached) until the fake clock passes 2.5 + 0.5 s. The embedding
-#: cache is off: these tests send the same images again and again to reach the encoder's queue.
+#: Holds every request (min batch never reached) until the fake clock passes 2.5 + 0.5 s; the embedding
+#: cache off. `holding` runs the same tests in the default configuration too (the cache on), each request
+#: with an image of its own (`body`), so every one of them reaches the encoder's queue.
 HOLDING = Settings(max_wait_ms=2500, min_batch_size=1000, hard_timeout_additional_s=0.5, max_pending=3,
                    req_timeout_s=20, max_request_bytes=200_000, cache_bytes=0)
+
+#: The embedding cache as a server has it by default.
+DEFAULT_CACHE = Settings().cache_bytes
+
+CACHE_MODES = [pytest.param(0, id="cache-off"), pytest.param(DEFAULT_CACHE, id="cache-default")]
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +58,19 @@ async def started_service(settings: Settings, adapter):
         await service.stop()
 
 
-@pytest.fixture
-async def holding(adapter):
-    async with started_service(HOLDING, adapter) as started:
+@pytest.fixture(params=CACHE_MODES)
+async def holding(adapter, request):
+    async with started_service(dataclasses.replace(HOLDING, cache_bytes=request.param), adapter) as started:
         yield started
 
 
+def image_of(req_id: str) -> str:
+    """An image of the request's own (distinct media per request: the cache shares nothing between them)."""
+    return image_b64(56, 56, seed=zlib.crc32(req_id.encode()))
+
+
 def body(req_id: str, **extra) -> dict:
-    return {"req_id": req_id, "modality": "image", "mm_items": [image_b64(56, 56)], **extra}
+    return {"req_id": req_id, "modality": "image", "mm_items": [image_of(req_id)], **extra}
 
 
 def forwards(service: EncoderService) -> float:
@@ -89,7 +101,7 @@ async def test_duplicate_in_flight_request_is_409_and_the_first_still_succeeds(h
     with pytest.raises(EncodeError) as duplicate:
         await service.encode(first_body)
     assert duplicate.value.status == 409 and "dup" in duplicate.value.message and duplicate.value.req_id == "dup"
-    other_part = asyncio.ensure_future(service.encode({**first_body, "part_idx": 1}))
+    other_part = asyncio.ensure_future(service.encode({**first_body, "part_idx": 1, "mm_items": [image_of("dup-1")]}))
     await until(lambda: service.scheduler.queue_depth == 2)
     await clock.advance(3.0)
     assert (await first)["part_idx"] == 0 and (await other_part)["part_idx"] == 1
@@ -119,6 +131,51 @@ async def test_deadline_is_504_and_the_request_never_reaches_the_encoder(holding
     assert forwards(service) == before
     assert requests(service, "504") == 1
     assert service.pending == 0 and service.scheduler.queue_depth == 0
+
+
+async def test_a_deadline_inside_the_batching_window_is_served_before_it(holding):
+    """Promoted before its deadline (less the margin) on an idle encoder, never 504, cache on or off."""
+    service, clock = holding
+    answer = asyncio.ensure_future(service.encode(body("hurried", timeout_s=1.0)))
+    await until(lambda: service.scheduler.queue_depth == 1)
+    await clock.advance(0.5)
+    assert not answer.done()  # not urgent yet: it waits for company like any other
+    await clock.advance(0.45)
+    response = await answer
+    assert response["batch_size"] == 1 and 900 <= response["timings_ms"]["queue"] < 1000
+
+
+async def test_a_more_urgent_request_joining_a_queued_encode_moves_it_forward(adapter):
+    """The same image twice (on purpose: the second request joins the first one's encode in the cache): the
+    encode takes the deadline of the more urgent one, and both get their rows from one forward."""
+    async with started_service(dataclasses.replace(HOLDING, cache_bytes=DEFAULT_CACHE), adapter) as (service, clock):
+        before = forwards(service)
+        patient = asyncio.ensure_future(service.encode(body("patient")))
+        await until(lambda: service.scheduler.queue_depth == 1)
+        hurried = asyncio.ensure_future(service.encode({**body("hurried"), "mm_items": [image_of("patient")],
+                                                        "timeout_s": 1.0}))
+        await until(lambda: service.cache.stats.joined == 1)
+        await clock.advance(0.95)
+        first, second = await asyncio.gather(patient, hurried)
+    assert first["items"][0]["cached"] is False and second["items"][0]["cached"] is True
+    assert first["timings_ms"]["queue"] >= 900 and forwards(service) - before == 1
+
+
+async def test_when_the_urgent_waiter_leaves_the_encode_falls_back_to_the_others(adapter):
+    async with started_service(dataclasses.replace(HOLDING, cache_bytes=DEFAULT_CACHE), adapter) as (service, clock):
+        before = forwards(service)
+        patient = asyncio.ensure_future(service.encode(body("patient")))
+        await until(lambda: service.scheduler.queue_depth == 1)
+        hurried = asyncio.ensure_future(service.encode({**body("hurried"), "mm_items": [image_of("patient")],
+                                                        "timeout_s": 1.0}))
+        await until(lambda: service.cache.stats.joined == 1)
+        hurried.cancel()
+        await settle()
+        await clock.advance(0.95)  # past the point where the hurried one would have been promoted
+        assert forwards(service) == before and not patient.done()
+        await clock.advance(2.05)  # the hard timeout releases the patient one
+        response = await patient
+    assert response["batch_size"] == 1 and forwards(service) - before == 1
 
 
 async def test_timeout_above_the_server_limit_is_400(holding):
@@ -176,7 +233,7 @@ async def test_the_embedding_is_what_the_encoder_computes_for_the_item_alone(ada
     finally:
         await service.stop()
     rows = torch.frombuffer(bytearray(base64.b64decode(response["embedding"])), dtype=torch.float32)
-    image = Image.open(io.BytesIO(base64.b64decode(image_b64(56, 56)))).convert("RGB")
+    image = Image.open(io.BytesIO(base64.b64decode(image_of("alone")))).convert("RGB")
     expected = adapter.forward(adapter.preprocess("image", [image]))
     assert response["embedding_shape"] == list(expected.shape)
     assert torch.equal(rows.reshape(expected.shape), expected)
