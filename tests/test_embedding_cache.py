@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+from encode_server.demand import Demand, SharedDemand, Urgency
 from encode_server.embedding_cache import (
     ENTRY_OVERHEAD_BYTES,
     CachedItem,
@@ -19,7 +20,6 @@ from encode_server.embedding_cache import (
     ItemKeys,
     adapter_fingerprint,
 )
-from encode_server.demand import Demand, SharedDemand, Urgency
 from encode_server.memory import default_cache_bytes, parse_byte_size, parse_cache_bytes
 from processors import ItemLayout, load_adapter
 
