@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .settings import load_settings
+from encode_server.ops.settings import load_settings
 
 #: Printed on stderr once the server listens; `encode_server.bench.launcher` waits for it.
 READY_LINE = "encode-server ready:"
@@ -15,7 +15,7 @@ READY_LINE = "encode-server ready:"
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
-    from .housekeeping import Housekeeper, limit_arenas, prefer_huge_pages
+    from encode_server.ops.housekeeping import Housekeeper, limit_arenas, prefer_huge_pages
 
     prefer_huge_pages()  # before the first large tensor, and inherited by the ranks and workers started later
     limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
@@ -26,22 +26,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     import uvicorn  # imported late so that --help answers fast
 
+    from encode_server.http.app import create_app
     from processors import load_adapter
-
-    from .http_server import create_app
 
     group = None
     world = max(settings.tp_size, settings.dp_size)
     set_cpu_threads(settings, world)
     if world > 1:
-        from .parallel.ranks import WorkerGroup
+        from encode_server.parallel.ranks import WorkerGroup
 
         group = WorkerGroup(settings, "tp" if settings.tp_size > 1 else "dp", world)
         group.start()  # the other ranks load the model while this one does
     try:
         adapter = load_adapter(settings.model, settings.device, settings.dtype)
         if group is not None and group.role == "tp":
-            from .parallel.ranks import join_tensor_parallel
+            from encode_server.parallel.ranks import join_tensor_parallel
 
             adapter = join_tensor_parallel(adapter, group)
     except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
@@ -49,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             group.stop()
         sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
     if settings.preprocess_device != "cpu":
-        from .gpu_preprocess import PreprocessDeviceError, use_device_preprocessing
+        from encode_server.preprocessing.gpu import PreprocessDeviceError, use_device_preprocessing
 
         try:
             use_device_preprocessing(adapter, settings.preprocess_device)

@@ -36,10 +36,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from encode_server.ops.metrics import ServerMetrics
+from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
 from processors import EncoderAdapter, ItemLayout, PreparedBatch
-
-from .metrics import ServerMetrics
-from .records import EncodedPart, EncodeError, EncodeJob, Timings
 
 log = logging.getLogger("encode_server.engine")
 T = TypeVar("T")
@@ -182,7 +181,7 @@ class EncoderEngine:
 
     async def _encode_pooled(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
         """Items prepared in the pool's processes; a job with an item that failed there fails alone."""
-        from .preprocess_pool import ItemFailure
+        from encode_server.preprocessing.pool import ItemFailure
 
         loop = asyncio.get_running_loop()
         started = time.perf_counter()

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 import zmq
 
+from encode_server.delivery.wire import Header, WireError, decode_header, is_wildcard_host
 from processors.dtypes import DTYPES, raw_bytes
-
-from .wire import Header, WireError, decode_header, is_wildcard_host
 
 log = logging.getLogger("encode_server.receiver")
 

@@ -20,45 +20,38 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from encode_server.admission.gate import Admission
+from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
+from encode_server.cache.cached_encoding import CachedEncoding, cache_capacity, item_keys
+from encode_server.cache.embedding_cache import EmbeddingCache
+from encode_server.delivery.destinations import Delivery
+from encode_server.delivery.formats import wire_format
+from encode_server.delivery.sglang_registry import SglangRegistry
+from encode_server.delivery.sockets import EmbeddingSender, check_endpoint
+from encode_server.engine import EncoderEngine
+from encode_server.media.decoding import MediaError, MediaLimits
+from encode_server.media.loader import LoadedItem, MediaLoader, parse_item
+from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
+from encode_server.ops.health import HealthProbe
+from encode_server.ops.metrics import ServerMetrics
+from encode_server.ops.setting_values import advertised_url, registry_urls
+from encode_server.ops.settings import Settings
+from encode_server.parallel.ranks import DataParallelReplicas, WorkerGroup
+from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta
+from encode_server.responses import encode_response
+from encode_server.scheduling.clock import Clock, MonotonicClock
+from encode_server.scheduling.cost_model import CostModel
+from encode_server.scheduling.demand import Demand, SharedDemand
+from encode_server.scheduling.policy import BatchPolicy
+from encode_server.scheduling.scheduler import EncoderScheduler
+from encode_server.scheduling.scheduler_thread import SchedulerThread
 from processors import EncoderAdapter
 from processors.dtypes import DTYPE_NAMES
-
-from .admission import Admission
-from .cached_encoding import CachedEncoding, cache_capacity, item_keys
-from .clock import Clock, MonotonicClock
-from .cost_model import CostModel
-from .decoding import MediaError, MediaLimits
-from .delivery import Delivery, NativeWire, WireFormat
-from .demand import Demand, SharedDemand
-from .embedding_cache import EmbeddingCache
-from .engine import EncoderEngine
-from .health import HealthProbe
-from .media import LoadedItem, MediaLoader, parse_item
-from .metrics import ServerMetrics
-from .parallel.ranks import DataParallelReplicas, WorkerGroup
-from .policy import BatchPolicy
-from .priority_pool import CURRENT_PRIORITY, PriorityThreadPool
-from .records import EncodedPart, EncodeError, EncodeJob, PartMeta
-from .responses import encode_response
-from .scheduler import EncoderScheduler
-from .scheduler_thread import SchedulerThread
-from .schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
-from .settings import Settings
-from .sglang_registry import SglangRegistry, advertised_url, registry_urls
-from .sglang_wire import SglangWire, seconds_per_grid_step
-from .transfer import EmbeddingSender, check_endpoint
 
 log = logging.getLogger("encode_server.service")
 
 #: The `req_id` of health probes.
 PROBE_REQ_ID = "__health_probe__"
-
-
-def wire_format(settings: Settings, adapter: EncoderAdapter) -> WireFormat:
-    """The ZMQ frames `--wire-format` asks for."""
-    if settings.wire_format == "sglang":
-        return SglangWire(settings.sglang_embedding_class, seconds_per_grid_step(adapter, settings.video_fps))
-    return NativeWire(adapter)
 
 
 def awaits_registrations(request: EncodeRequest) -> bool:
@@ -82,7 +75,7 @@ def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: Me
 
     Tensor-parallel servers keep preprocessing in-process: every rank prepares the same whole batch
     and agrees on its layout, which a pool that drops a bad item alone would break."""
-    from .preprocess_pool import PreprocessPool, default_preprocess_workers
+    from encode_server.preprocessing.pool import PreprocessPool, default_preprocess_workers
 
     workers = settings.preprocess_workers
     if workers < 0:
@@ -111,7 +104,7 @@ class EncoderService:
     """Everything one server process needs to answer `/encode`. Must be built on the running loop.
 
     With `scheduler_thread` (as the server runs it) the engine and the scheduler run on an event loop of
-    their own (`scheduler_thread.SchedulerThread`), so HTTP work never delays a batch; without it, on
+    their own (`scheduling.scheduler_thread.SchedulerThread`), so HTTP work never delays a batch; without it, on
     this loop (the in-process tests, whose fake clock steps one loop)."""
 
     def __init__(self, settings: Settings, adapter: EncoderAdapter, group: WorkerGroup | None = None,

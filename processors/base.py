@@ -141,7 +141,7 @@ class EncoderAdapter(ABC):
     def preprocessing_copy(self) -> EncoderAdapter:
         """A picklable copy that can `item_layout` and `preprocess` but holds none of the model.
 
-        Preprocessing processes get this copy (`encode_server/preprocess_pool.py`). The default is a shallow
+        Preprocessing processes get this copy (`encode_server/preprocessing/pool.py`). The default is a shallow
         copy with every `torch.nn.Module` attribute dropped; an adapter that keeps other unpicklable state
         (sockets, process groups, threads) overrides it.
         """

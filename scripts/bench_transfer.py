@@ -71,7 +71,7 @@ class Bench:
     def __init__(self) -> None:
         import zmq
 
-        from encode_server.transfer import EmbeddingSender
+        from encode_server.delivery.sockets import EmbeddingSender
 
         self.zmq = zmq
         self.context = zmq.Context()
@@ -100,7 +100,7 @@ class Bench:
         self.context.term()
 
     def _headers(self, count: int, shape: tuple[int, int]) -> tuple[str, list[bytes]]:
-        from encode_server.wire import Header
+        from encode_server.delivery.wire import Header
 
         self.serial += 1
         prefix = f"b{self.serial}-"

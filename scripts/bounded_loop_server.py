@@ -1,4 +1,4 @@
-"""An experiment of issue 15, not the server's configuration: `encode-server` on an asyncio loop whose
+"""An experiment on event-loop lag, not the server's configuration: `encode-server` on an asyncio loop whose
 iterations take a bounded amount of new I/O work, to see how much of the HTTP loop's lag in a burst
 is the loop being handed thousands of ready connections at once.
 

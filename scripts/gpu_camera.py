@@ -88,8 +88,8 @@ def float32_rows(adapter, pixels: list[torch.Tensor], grid: torch.Tensor) -> tor
 
 def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repeats: int, out: str | None,
                  device: str = "cuda") -> None:
-    from encode_server.decoding import MediaLimits, decode_bytes
-    from encode_server.settings import Settings
+    from encode_server.media.decoding import MediaLimits, decode_bytes
+    from encode_server.ops.settings import Settings
     from processors import aligned_mlp, load_adapter, packed_attention
 
     aligned_mlp.enabled = False  # the plain tower first; the padded copy is made below
@@ -161,8 +161,8 @@ def profile_part(folder: Path, images: list[bytes], out_dir: str | None, device:
     and operators that take the time, written to `out_dir`/profile.txt."""
     from torch.profiler import ProfilerActivity, profile
 
-    from encode_server.decoding import MediaLimits, decode_bytes
-    from encode_server.settings import Settings
+    from encode_server.media.decoding import MediaLimits, decode_bytes
+    from encode_server.ops.settings import Settings
     from processors import load_adapter
 
     adapter = load_adapter(str(folder), device, "bfloat16" if device == "cuda" else "float32")

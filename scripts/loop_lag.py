@@ -1,4 +1,4 @@
-"""Event-loop lag of the server while it answers a burst of concurrent requests (issue 15).
+"""Event-loop lag of the server while it answers a burst of concurrent requests.
 
 Starts `encode-server` on a free loopback port (`--max-pending` above the burst, so every request is
 admitted), sends `--requests` /encode requests at once (56-140 px images, a third with

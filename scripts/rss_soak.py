@@ -1,4 +1,4 @@
-"""Resident memory of the server under a steady mix, and after a burst of large images (issue 15).
+"""Resident memory of the server under a steady mix, and after a burst of large images.
 
 Starts `encode-server` (the built-in model unless `--server-args` says otherwise) on a free loopback
 port, then:

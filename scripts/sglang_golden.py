@@ -3,9 +3,9 @@
     generate: pickle SGLang's own `EmbeddingData` exactly as its encoder server does
               (`EmbeddingData(..., **aux)`, then `pickle.dumps(obj.copy_without_embedding())`) for the
               cases below, and write them to tests/golden/ with a manifest of the inputs; the CI test
-              (tests/test_sglang_wire.py) renders the same inputs with `encode_server.sglang_wire` and
+              (tests/test_sglang_wire.py) renders the same inputs with `encode_server.delivery.sglang_wire` and
               compares bytes.
-    check:    render the cases with `encode_server.sglang_wire` and unpickle them with SGLang's own
+    check:    render the cases with `encode_server.delivery.sglang_wire` and unpickle them with SGLang's own
               `safe_pickle_loads`; they must come back as SGLang's classes with the right values, and
               merge through SGLang's `_aggregate_embedding_part`.
 
@@ -97,7 +97,7 @@ def generate() -> None:
 def check() -> None:
     import torch
 
-    from encode_server.sglang_wire import SglangFrames
+    from encode_server.delivery.sglang_wire import SglangFrames
 
     version, EmbeddingData, Modality = _sglang()
     from sglang.srt.disaggregation.encoder.receiver import _aggregate_embedding_part

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from encode_server.cost_model import ArrivalRate, CostModel, EwStats, LinearCostFit
-from encode_server.policy import BatchPolicy, Dispatch, QueuedView, Sleep, decide
+from encode_server.scheduling.cost_model import ArrivalRate, CostModel, EwStats, LinearCostFit
+from encode_server.scheduling.policy import BatchPolicy, Dispatch, QueuedView, Sleep, decide
 
 
 def feed(model: CostModel, fixed_s: float, per_token_s: float, tokens_per_request: int, batches: int,

@@ -18,8 +18,8 @@ import pytest
 import torch
 import zmq
 
+from encode_server.delivery.wire import HEADER_KEYS, Header
 from encode_server.receiver import EmbeddingError, EmbeddingReceiver
-from encode_server.wire import HEADER_KEYS, Header
 
 from .helpers import ROOT, ServerProcess, free_port, image_b64, push
 

@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from encode_server.demand import Demand, SharedDemand, Urgency
+from encode_server.scheduling.demand import Demand, SharedDemand, Urgency
 
 demands = st.builds(Demand, deadline=st.floats(0, 100), priority=st.integers(-3, 3))
 

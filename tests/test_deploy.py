@@ -7,7 +7,7 @@ import subprocess
 
 import yaml
 
-from encode_server.settings import OPTIONS
+from encode_server.ops.settings import OPTIONS
 
 from .helpers import ROOT
 

@@ -12,15 +12,15 @@ import weakref
 import pytest
 import torch
 
-from encode_server.demand import Demand, SharedDemand, Urgency
-from encode_server.embedding_cache import (
+from encode_server.cache.embedding_cache import (
     ENTRY_OVERHEAD_BYTES,
     CachedItem,
     EmbeddingCache,
     ItemKeys,
     adapter_fingerprint,
 )
-from encode_server.memory import default_cache_bytes, parse_byte_size, parse_cache_bytes
+from encode_server.ops.memory import default_cache_bytes, parse_byte_size, parse_cache_bytes
+from encode_server.scheduling.demand import Demand, SharedDemand, Urgency
 from processors import ItemLayout, load_adapter
 
 from .fakes import settle

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from encode_server.transfer import check_endpoint, endpoint_for
+from encode_server.delivery.sockets import check_endpoint, endpoint_for
 
 
 @pytest.mark.parametrize("given,expected", [

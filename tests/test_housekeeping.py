@@ -1,4 +1,4 @@
-"""Memory housekeeping (issue 15), in-process: arenas, trimming freed heap pages back to the system,
+"""Memory housekeeping, in-process: arenas, trimming freed heap pages back to the system,
 full garbage collections deferred to quiet moments, and when the housekeeper runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from encode_server import housekeeping as memory
+from encode_server.ops import housekeeping as memory
 
 glibc_only = pytest.mark.skipif(memory._glibc() is None, reason="malloc_trim and mallopt are glibc's")
 

@@ -1,4 +1,4 @@
-"""Pooled HTTP connections and the server's keep-alive (issue 15).
+"""Pooled HTTP connections and the server's keep-alive.
 
 A router keeps idle connections in a pool and reuses them. When the server's keep-alive expires at
 the moment a request is sent on such a connection, the request is lost ("Server disconnected")
@@ -15,7 +15,7 @@ from contextlib import ExitStack
 
 import aiohttp
 
-from encode_server.settings import Settings
+from encode_server.ops.settings import Settings
 
 from .helpers import ServerProcess, image_b64
 

@@ -11,8 +11,8 @@ import numpy as np
 from PIL import Image
 from transformers.image_utils import load_image
 
-from encode_server.decoding import MediaLimits, decode_frames, decode_image
-from encode_server.settings import Settings
+from encode_server.media.decoding import MediaLimits, decode_frames, decode_image
+from encode_server.ops.settings import Settings
 from processors import load_adapter
 
 from .helpers import ServerProcess

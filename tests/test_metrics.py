@@ -1,12 +1,12 @@
 """Metrics that exist before their first observation, the performance window's throughput, and the
-parked-embedding gauges (issue 15), in-process."""
+parked-embedding gauges, in-process."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from encode_server.metrics import KNOWN_STATUSES, PerformanceWindow, ServerMetrics
+from encode_server.ops.metrics import KNOWN_STATUSES, PerformanceWindow, ServerMetrics
 
 
 class Clock:

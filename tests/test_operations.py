@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from encode_server.health import HealthProbe
-from encode_server.metrics import LoopLagMonitor, PerformanceWindow
+from encode_server.ops.health import HealthProbe
+from encode_server.ops.metrics import LoopLagMonitor, PerformanceWindow
 
 from .helpers import ROOT, ServerProcess, image_b64
 

@@ -1,6 +1,6 @@
 """The dispatch policy (docs/CONTRACT.md, section 4) as pure functions: every rule, its edges, and properties.
 
-Priorities, deadlines and promotions (issue 17), adaptive waiting against a fixed cost model, and the
+Priorities, deadlines and promotions, adaptive waiting against a fixed cost model, and the
 properties over a discrete-event simulation of the scheduler driving `decide`."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from encode_server.policy import (
+from encode_server.scheduling.policy import (
     FUSABLE_MODALITIES,
     BatchPolicy,
     Dispatch,

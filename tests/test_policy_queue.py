@@ -7,8 +7,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from encode_server.policy import BatchPolicy, Dispatch, QueuedView, decide, queue_key
-from encode_server.policy_queue import ModalityQueues, PolicyQueue
+from encode_server.scheduling.policy import BatchPolicy, Dispatch, QueuedView, decide, queue_key
+from encode_server.scheduling.queues import ModalityQueues, PolicyQueue
 
 
 class Item:

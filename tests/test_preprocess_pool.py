@@ -23,10 +23,10 @@ import soundfile
 import torch
 from PIL import Image
 
-from encode_server.decoding import MediaLimits, decode_bytes, decode_frames
-from encode_server.preprocess_pool import ItemFailure, PreprocessPool, default_preprocess_workers
-from encode_server.settings import Settings
-from encode_server.shared_tensors import SHM_DIR, SlotReader, SlotWriter, export_tensors, import_tensors
+from encode_server.media.decoding import MediaLimits, decode_bytes, decode_frames
+from encode_server.ops.settings import Settings
+from encode_server.preprocessing.pool import ItemFailure, PreprocessPool, default_preprocess_workers
+from encode_server.preprocessing.shared_tensors import SHM_DIR, SlotReader, SlotWriter, export_tensors, import_tensors
 from processors import EncoderAdapter, PreparedBatch, load_adapter
 
 CRASH_WIDTH, HANG_WIDTH = 77, 78
@@ -188,7 +188,7 @@ def test_rows_written_into_a_reserved_slot_are_sent_without_a_copy():
 
 def test_a_workers_task_puts_only_its_first_pixel_rows_in_the_slot():
     """Two outputs of one task never share the reserved slot: the second gets a tensor of its own."""
-    from encode_server.preprocess_worker import _one_slot
+    from encode_server.preprocessing.worker import _one_slot
 
     prefix = str(SHM_DIR / f"encode-preprocess-test-{os.getpid()}-oneslot")
     writer = SlotWriter(prefix, max_slots=2, max_bytes=8 << 20)
@@ -276,7 +276,7 @@ def test_items_of_cancelled_or_failed_requests_give_their_slots_back(adapters):
 
 
 def test_blocks_of_a_dead_server_are_removed():
-    from encode_server.shared_tensors import remove_stale_blocks
+    from encode_server.preprocessing.shared_tensors import remove_stale_blocks
 
     dead = multiprocessing.get_context("spawn").Process(target=os.getpid)
     dead.start()
@@ -466,7 +466,7 @@ def wait_until(condition, timeout_s: float) -> None:
 
 def test_an_audio_clip_travels_too(adapters):
     """Audio goes through the same shared-memory path (in-process check of the worker's function)."""
-    from encode_server.preprocess_worker import prepare_item
+    from encode_server.preprocessing.worker import prepare_item
 
     audio = adapters["tiny-qwen2-audio"]
     buffer = io.BytesIO()
@@ -480,8 +480,8 @@ def test_an_audio_clip_travels_too(adapters):
 # --- --preprocess-device -----------------------------------------------------------------------------
 
 def test_preprocess_device_cuda_is_refused_where_it_cannot_run(adapters):
-    from encode_server.gpu_preprocess import PreprocessDeviceError, check_preprocess_device
-    from encode_server.settings import Settings
+    from encode_server.ops.settings import Settings
+    from encode_server.preprocessing.gpu import PreprocessDeviceError, check_preprocess_device
 
     qwen = adapters["tiny-qwen2.5-vl"]
     check_preprocess_device("cpu", qwen)  # the default: nothing to check
@@ -603,7 +603,7 @@ def test_spare_items_wait_for_dispatched_ones_and_claimed_ones_go_first(adapters
     pool closed with spare work waiting fails it too (no hang)."""
     from concurrent.futures import Future
 
-    from encode_server.preprocess_tasks import Submission, Task, TaskQueue
+    from encode_server.preprocessing.tasks import Submission, Task, TaskQueue
 
     queue = TaskQueue()
     submissions = {}
@@ -665,7 +665,7 @@ def test_engine_uses_work_ahead_once_and_gives_back_what_it_forgets(adapters):
     batch (right rows, not prepared twice); forgotten ones give their slots back (the worker has 8: nine
     forgotten jobs would otherwise leave none, and later items would come back in one-off blocks)."""
     from encode_server.engine import EncoderEngine
-    from encode_server.metrics import ServerMetrics
+    from encode_server.ops.metrics import ServerMetrics
     from encode_server.records import EncodeJob, PartMeta
 
     qwen = adapters["tiny-qwen2.5-vl"]

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from encode_server.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
+from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 
 
 def test_waiting_work_runs_highest_priority_first_then_in_order():

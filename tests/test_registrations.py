@@ -1,11 +1,11 @@
-"""`delivery.Registrations` in-process: what parking remembers, and for how long."""
+"""`delivery.destinations.Registrations` in-process: what parking remembers, and for how long."""
 
 from __future__ import annotations
 
 import asyncio
 
-from encode_server.delivery import Registrations
-from encode_server.transfer import EmbeddingSender
+from encode_server.delivery.destinations import Registrations
+from encode_server.delivery.sockets import EmbeddingSender
 
 
 def run(scenario) -> None:

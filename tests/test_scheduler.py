@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from encode_server.metrics import ServerMetrics
-from encode_server.policy import BatchPolicy
+from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodeError
-from encode_server.scheduler import EncoderScheduler
+from encode_server.scheduling.policy import BatchPolicy
+from encode_server.scheduling.scheduler import EncoderScheduler
 
 from .fakes import FakeClock, FakeEngine, SchedulerRig, job, settle
 

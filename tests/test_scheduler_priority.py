@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from encode_server.policy import BatchPolicy
 from encode_server.records import EncodedPart, EncodeError, Timings
+from encode_server.scheduling.policy import BatchPolicy
 
 from .fakes import FakeEngine, SchedulerRig, job, settle
 

@@ -1,4 +1,4 @@
-"""The scheduler on its own loop and thread (`scheduler_thread.py`), driven from another loop: results,
+"""The scheduler on its own loop and thread (`scheduling/scheduler_thread.py`), driven from another loop: results,
 fusing, cancellation, eviction, stopping, and a blocked caller's loop not delaying a batch. Real clock
 and threads; the engine is the fake one, so each test takes well under a second."""
 
@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from encode_server.metrics import ServerMetrics
-from encode_server.policy import BatchPolicy
+from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodeError
-from encode_server.scheduler import EncoderScheduler
-from encode_server.scheduler_thread import Mailbox, SchedulerThread
+from encode_server.scheduling.mailbox import Mailbox
+from encode_server.scheduling.policy import BatchPolicy
+from encode_server.scheduling.scheduler import EncoderScheduler
+from encode_server.scheduling.scheduler_thread import SchedulerThread
 
 from .fakes import FakeEngine, job, until
 
@@ -90,7 +91,7 @@ def test_mailbox_keeps_the_order_of_posts_from_many_threads():
 @pytest.fixture
 async def held():
     """A started `SchedulerThread` whose holding engine is busy with a batch of one: (engine, scheduler,
-    that batch's future). Release the engine with `scheduler.call(engine.release)` (its gate lives on the
+    that batch's future). Release the engine with `scheduling.scheduler.call(engine.release)` (its gate lives on the
     scheduler's loop)."""
     engine = RecordingEngine(hold=True)
     scheduler = threaded(engine)

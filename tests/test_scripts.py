@@ -22,7 +22,7 @@ def test_demo_prefill_runs_without_httpx():
 
 
 def test_bounded_loop_experiment_hands_out_a_few_ready_sockets_per_iteration():
-    """`scripts/bounded_loop_server.py` (the issue-15 experiment in docs/BENCHMARKS.md): of 10 ready
+    """`scripts/bounded_loop_server.py` (the event-loop experiment in docs/BENCHMARKS.md): of 10 ready
     sockets, each select returns at most `EVENTS_PER_POLL`, and successive selects reach all of them."""
     import selectors
     import socket

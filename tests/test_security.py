@@ -19,16 +19,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from encode_server.decoding import MediaError, MediaLimits
-from encode_server.media import MediaLoader, parse_item
-from encode_server.settings import Settings
-from encode_server.url_guard import (
+from encode_server.media.decoding import MediaError, MediaLimits
+from encode_server.media.loader import MediaLoader, parse_item
+from encode_server.media.url_guard import (
     BlockedAddressError,
     GuardedConnector,
     address_refusal,
     content_type_refusal,
     resolve_local_path,
 )
+from encode_server.ops.settings import Settings
 
 from .helpers import ServerProcess, image_b64, png_bytes
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from encode_server.transfer import DeliveryError, EmbeddingSender
+from encode_server.delivery.sockets import DeliveryError, EmbeddingSender
 from processors.dtypes import raw_bytes as payload_view
 
 

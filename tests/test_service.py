@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from encode_server.http_server import CLIENT_CLOSED, answer_encode
+from encode_server.http.app import CLIENT_CLOSED, answer_encode
+from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
-from encode_server.settings import Settings
 from processors import load_adapter
 
 from .fakes import FakeClock, settle, until

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from encode_server.ops.settings import Settings, load_settings
 from encode_server.records import EncodeError
 from encode_server.service import batch_policy
-from encode_server.settings import Settings, load_settings
 from processors import load_adapter
 
 from .test_service import HOLDING, body, started_service, until

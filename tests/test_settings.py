@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from encode_server.settings import OPTIONS, Settings, load_settings, parse_bool, settings_table_markdown
+from encode_server.ops.settings import OPTIONS, Settings, load_settings, parse_bool, settings_table_markdown
 
 from .helpers import ROOT
 

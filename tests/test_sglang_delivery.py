@@ -21,8 +21,8 @@ import pytest
 import torch
 import zmq
 
+from encode_server.delivery.sglang_wire import SglangFrames, SglangWire, seconds_per_grid_step
 from encode_server.records import EncodedPart, PartMeta
-from encode_server.sglang_wire import SglangFrames, SglangWire, seconds_per_grid_step
 from processors import BUILTIN_MODELS, ItemLayout
 
 from .helpers import ServerProcess, image_b64

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from encode_server.settings import Settings
-from encode_server.sglang_registry import advertised_url, registry_urls
+from encode_server.ops.setting_values import advertised_url, registry_urls
+from encode_server.ops.settings import Settings
 
 from .helpers import ServerProcess, free_port
 

@@ -1,4 +1,4 @@
-"""`encode_server.sglang_wire`: frame 0 of SGLang's messages, byte for byte what SGLang's own encoder
+"""`encode_server.delivery.sglang_wire`: frame 0 of SGLang's messages, byte for byte what SGLang's own encoder
 pickles, without SGLang installed.
 
 The golden frames in tests/golden/ were pickled by real SGLang (0.5.21 and 0.5.23) from its own
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from encode_server.sglang_wire import (
+from encode_server.delivery.sglang_wire import (
     EMBEDDING_CLASS,
     LEGACY_EMBEDDING_CLASS,
     MODALITY_CLASS,
@@ -242,7 +242,7 @@ def test_a_non_dtype_is_refused():
 # --- the fast path (C pickler, class references renamed) against the reference pickler --------------
 
 @pytest.mark.parametrize("req_id", [
-    "r", "x" * 300, "émoji-🙂_local_part_3", "\x8c\x19encode_server.sglang_wire\x94 modality",
+    "r", "x" * 300, "émoji-🙂_local_part_3", "\x8c\x22encode_server.delivery.sglang_wire\x94 modality",
     "sglang.srt.managers.schedule_batch Modality _ModalityClassStandIn",
 ])
 @pytest.mark.parametrize("modality,grids,seconds", [
@@ -250,7 +250,7 @@ def test_a_non_dtype_is_refused():
     ("image", [(1, 2, 2)] * 2000, None),  # beyond one pickle frame: the reference path answers
 ])
 def test_fast_path_gives_the_reference_picklers_bytes(req_id, modality, grids, seconds):
-    from encode_server import sglang_wire
+    from encode_server.delivery import sglang_wire
 
     for frames in (SglangFrames(), SglangFrames(LEGACY_EMBEDDING_CLASS, "sglang.srt.multimodal.modality.Modality")):
         header = frames.embedding_header(req_id=req_id, part_idx=1, num_parts=2, modality=modality, grids=grids,
@@ -267,7 +267,7 @@ def test_fast_path_gives_the_reference_picklers_bytes(req_id, modality, grids, s
 
 
 def test_fast_path_is_taken_for_ordinary_frames_and_not_beyond_one_frame():
-    from encode_server import sglang_wire
+    from encode_server.delivery import sglang_wire
 
     frames = SglangFrames()
 

@@ -1,4 +1,4 @@
-"""Resident memory under the issue-15 mix for 10 minutes, and after a burst of large images.
+"""Resident memory under a steady mix for 10 minutes, and after a burst of large images.
 
 Slow (about 13 minutes on this machine): run with `-m slow`. It drives `scripts/rss_soak.py`.
 """

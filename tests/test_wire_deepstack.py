@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from encode_server.delivery.wire import Header, WireError, decode_header
 from encode_server.receiver import EmbeddingError, EmbeddingReceiver
-from encode_server.wire import Header, WireError, decode_header
 
 from .helpers import push
 

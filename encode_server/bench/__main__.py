@@ -28,10 +28,10 @@ from pathlib import Path
 
 import httpx
 
-from ..memory import cpu_seconds, resident_bytes
-from .launcher import ServerProcess
-from .load import closed_loop, make_payloads, open_loop
-from .workloads import WORKLOADS, make_workload
+from encode_server.bench.launcher import ServerProcess
+from encode_server.bench.load import closed_loop, make_payloads, open_loop
+from encode_server.bench.workloads import WORKLOADS, make_workload
+from encode_server.ops.memory import cpu_seconds, resident_bytes
 
 #: Server configurations and the flags that make them (besides the model and batching settings).
 SERVER_CONFIGS = ("on", "off", "cache-on", "cache-off")
@@ -329,7 +329,7 @@ def main(argv=None) -> None:
                                    startup_timeout=300) as server:
                     results["points"] += sweep(server.url, "ray", args, workload(name))
         elif config == "ceiling":
-            from .ceiling import ceiling
+            from encode_server.bench.ceiling import ceiling
 
             results["ceiling"] = ceiling(args.model, args.modality, payloads, args.max_batch_size)
             print(f"ceiling    batch {args.max_batch_size}: processor+forward "

@@ -113,8 +113,8 @@ def camera_jpegs(count: int, seed: int = 0) -> list[bytes]:
 
 def run_inprocess(adapter, images: list[bytes], batch_size: int, seconds: float) -> dict:
     """Decode + processor + forward, one batch after another, on one core."""
-    from encode_server.decoding import MediaLimits
-    from encode_server.settings import Settings
+    from encode_server.media.decoding import MediaLimits
+    from encode_server.ops.settings import Settings
 
     torch.set_num_threads(1)
     limits = MediaLimits.from_settings(Settings(), adapter)
@@ -138,7 +138,7 @@ def one_core():
 
 
 def _inprocess_loop(adapter, limits, images: list[bytes], batch_size: int, seconds: float) -> dict:
-    from encode_server.decoding import decode_bytes
+    from encode_server.media.decoding import decode_bytes
 
     def one_batch(batch: list[bytes]) -> None:
         decoded = [decode_bytes("image", data, limits, "x") for data in batch]
@@ -159,8 +159,8 @@ def _inprocess_loop(adapter, limits, images: list[bytes], batch_size: int, secon
 def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
     """Decode, processor and forward of one image of each camera size, and the forward of a batch of all
     `images` prepared one by one (`collate` + `forward` against `forward_items`), on one core: ms per call."""
-    from encode_server.decoding import MediaLimits, decode_bytes
-    from encode_server.settings import Settings
+    from encode_server.media.decoding import MediaLimits, decode_bytes
+    from encode_server.ops.settings import Settings
 
     torch.set_num_threads(1)
     limits = MediaLimits.from_settings(Settings(), adapter)
@@ -190,9 +190,9 @@ def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
 
 def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
     """The pool prepares batch k+1 while this process forwards batch k (`forward_items`, as the server does)."""
-    from encode_server.decoding import MediaLimits
-    from encode_server.preprocess_pool import PreprocessPool
-    from encode_server.settings import Settings
+    from encode_server.media.decoding import MediaLimits
+    from encode_server.ops.settings import Settings
+    from encode_server.preprocessing.pool import PreprocessPool
     from processors import PreparedBatch
 
     torch.set_num_threads(1)
@@ -258,8 +258,8 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
     from the server's `/v1/performance`."""
     import httpx
 
-    from .launcher import ServerProcess
-    from .load import closed_loop
+    from encode_server.bench.launcher import ServerProcess
+    from encode_server.bench.load import closed_loop
 
     def pool_stats(url: str) -> list[dict]:
         return httpx.get(url + "/v1/performance", timeout=60).json()["preprocess_workers"]

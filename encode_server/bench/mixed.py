@@ -1,4 +1,4 @@
-"""Benchmarks for priorities and adaptive waiting (issue 17), each against one local server.
+"""Benchmarks for priorities and adaptive waiting, each against one local server.
 
 `mixed`: interactive traffic on top of an offline flood, on one server, in one run. The capacity is
 measured first (closed loop, concurrency 64); then, in alternating rounds of `--round-s` seconds:
@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from .launcher import ServerProcess
-from .load import _Client, _session, _warm, closed_loop, make_payloads
+from encode_server.bench.launcher import ServerProcess
+from encode_server.bench.load import _Client, _session, _warm, closed_loop, make_payloads
 
 
 def _percentile(values: list[float], q: float) -> float:

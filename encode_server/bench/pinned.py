@@ -51,7 +51,7 @@ def ceiling(model: str, payloads: list[str], batch_size: int, seconds: float, co
 def pinned_server(server_core: int | None, client_core: int | None, *flags: str) -> Iterator:
     """`encode-server` with `flags` on `server_core` alone (with `--cpu-threads 1`), this process moved to
     `client_core` meanwhile; both None: no pinning. Yields the started `ServerProcess`."""
-    from .launcher import ServerProcess
+    from encode_server.bench.launcher import ServerProcess
 
     own = os.sched_getaffinity(0)
     if server_core is not None:
@@ -70,7 +70,7 @@ def pinned_server(server_core: int | None, client_core: int | None, *flags: str)
 
 def service(model: str, payloads: list[str], concurrency: int, requests: int, server_core: int, client_core: int,
             flags: list[str]) -> dict:
-    from .load import closed_loop
+    from encode_server.bench.load import closed_loop
 
     # --cache-bytes 0: the payloads repeat, and the embedding cache would answer all but the first 32.
     with pinned_server(server_core, client_core, "--model", model, "--max-batch-size", "32", "--cache-bytes", "0",
@@ -80,7 +80,7 @@ def service(model: str, payloads: list[str], concurrency: int, requests: int, se
 
 
 def main(argv=None) -> None:
-    from .load import make_payloads
+    from encode_server.bench.load import make_payloads
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen2.5-vl")

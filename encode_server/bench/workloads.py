@@ -23,7 +23,7 @@ from itertools import count
 
 import numpy as np
 
-from .load import make_payloads
+from encode_server.bench.load import make_payloads
 
 #: Distinct pixel contents behind the nonce-tagged copies.
 POOL_SIZE = 16

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 import zmq
 
+from encode_server.ops.settings import Settings
+from encode_server.parallel.channel import pack_batch, unpack_result
 from processors import EncoderAdapter, ItemLayout, PreparedBatch, resolve_device
-
-from ..settings import Settings
-from .channel import pack_batch, unpack_result
 
 log = logging.getLogger("encode_server.ranks")
 
@@ -177,7 +176,7 @@ class socket_on_loopback:
 
 def join_tensor_parallel(adapter: EncoderAdapter, group: WorkerGroup) -> TensorParallelAdapter:
     """Rank 0 joins the process group (waits for every rank to load), shards, and wraps the adapter."""
-    from .tensor_parallel import start_tensor_parallel
+    from encode_server.parallel.tensor_parallel import start_tensor_parallel
 
     start_tensor_parallel(adapter, rank_device(group.settings, 0), group.dist_init, 0, group.size)
     return TensorParallelAdapter(adapter, group)
@@ -220,7 +219,7 @@ class TensorParallelAdapter(EncoderAdapter):
             return PreparedBatch(modality=modality, inputs={}, layouts=[], extras={"error": exc})
 
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        from .tensor_parallel import agree_on_layout
+        from encode_server.parallel.tensor_parallel import agree_on_layout
 
         error = batch.extras.get("error")
         agree_on_layout(None if error else batch)

@@ -26,11 +26,10 @@ import sys
 import torch
 import zmq
 
+from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
+from encode_server.ops.settings import Settings
+from encode_server.parallel.channel import pack_result, unpack_batch
 from processors import load_adapter
-
-from ..decoding import MediaError, MediaLimits, decode_bytes, decode_frames
-from ..settings import Settings
-from .channel import pack_result, unpack_batch
 
 log = logging.getLogger("encode_server.worker")
 
@@ -56,7 +55,7 @@ def prepare(adapter, limits: MediaLimits, modality: str, raw_items: list):
 
 
 def run_tensor_parallel(adapter, limits: MediaLimits, batches: zmq.Socket) -> None:
-    from .tensor_parallel import agree_on_layout
+    from encode_server.parallel.tensor_parallel import agree_on_layout
 
     while True:
         batch_id, modality, raw_items = unpack_batch(batches.recv_multipart())
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = context.socket(zmq.PULL)
     batches.connect(args.batch_endpoint)
     if args.role == "tp":
-        from .tensor_parallel import start_tensor_parallel
+        from encode_server.parallel.tensor_parallel import start_tensor_parallel
 
         start_tensor_parallel(adapter, args.device, args.dist_init, args.rank, args.world_size)
         run_tensor_parallel(adapter, limits, batches)

@@ -1,4 +1,4 @@
-"""One preprocessing worker as the pool's conductor sees it (`preprocess_pool.PreprocessPool`).
+"""One preprocessing worker as the pool's conductor sees it (`preprocessing.pool.PreprocessPool`).
 
 A `WorkerHandle` is a worker's place in the pool: the process in it changes on restarts (each a new
 generation, with new shared-memory slots), its pipes, the item it holds, and its counters. It knows
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .preprocess_worker import worker_main
-from .shared_tensors import SHM_DIR, SlotReader
+from encode_server.preprocessing.shared_tensors import SHM_DIR, SlotReader
+from encode_server.preprocessing.worker import worker_main
 
 
 @dataclass

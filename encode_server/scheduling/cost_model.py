@@ -110,7 +110,7 @@ class _ModalityCosts:
 
 
 class CostModel:
-    """Learned forward cost and arrival rate per modality; implements `policy.CostEstimates`."""
+    """Learned forward cost and arrival rate per modality; implements `scheduling.policy.CostEstimates`."""
 
     def __init__(self, alpha: float = 0.05, min_samples: int = 8) -> None:
         self.alpha = alpha

@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .settings import DEFAULTS as SETTING_DEFAULTS
+from encode_server.ops.settings import DEFAULTS as SETTING_DEFAULTS
 
 #: Modalities whose requests may share one encoder forward.
 FUSABLE_MODALITIES = frozenset({"image", "audio"})
@@ -98,7 +98,7 @@ class BatchPolicy:
 
 
 class CostEstimates(Protocol):
-    """What the policy reads from the learned cost model (`cost_model.CostModel`); read only, no clock."""
+    """What the policy reads from the learned cost model (`scheduling.cost_model.CostModel`); read only, no clock."""
 
     def curve(self, modality: str) -> tuple[float, float] | None:
         """(seconds per forward, seconds per typical request) of `modality`, or None until learned."""

@@ -14,25 +14,7 @@ import logging
 
 import aiohttp
 
-log = logging.getLogger("encode_server.sglang_registry")
-
-
-def advertised_url(host: str, port: int, explicit: str | None) -> str:
-    """The URL SGLang should reach this encoder at: `--advertise-url`, else http://host:port."""
-    if explicit:
-        return explicit.rstrip("/")
-    if host.strip("[]") in ("0.0.0.0", "::", ""):
-        raise ValueError("--register-with needs --advertise-url when --host is a wildcard address")
-    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
-
-
-def registry_urls(text: str | None) -> list[str]:
-    """`--register-with`'s comma-separated registry URLs (http:// or https://)."""
-    urls = [url.strip().rstrip("/") for url in (text or "").split(",") if url.strip()]
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--register-with: {url!r} is not an http(s):// URL")
-    return urls
+log = logging.getLogger("encode_server.delivery.sglang_registry")
 
 
 class SglangRegistry:

@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported where it is used, so that settings can check class paths cheaply
+if TYPE_CHECKING:  # torch is imported where it is used: importing this module stays cheap
     import torch
 
-    from .records import EncodedPart, PartMeta
+    from encode_server.records import EncodedPart, PartMeta
+
+from encode_server.ops.setting_values import check_class_path
 
 #: Where `EmbeddingData` lives in SGLang 0.5.21 and later (the default of `--sglang-embedding-class`).
 EMBEDDING_CLASS = "sglang.srt.disaggregation.encoder.receiver.EmbeddingData"
@@ -49,16 +50,6 @@ MODALITY_CLASS = "sglang.srt.managers.schedule_batch.Modality"
 MODALITY_VALUES = {"image": 1, "video": 2, "audio": 3}
 
 PROTOCOL = 4
-_CLASS_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
-
-
-def check_class_path(path: str) -> str:
-    """A dotted `module.Class` path; ValueError otherwise."""
-    if not isinstance(path, str) or not _CLASS_PATH.match(path):
-        raise ValueError(f"{path!r} is not a dotted module.Class path")
-    return path
-
-
 class _EmbeddingDataStandIn:
     """Pickled as `copyreg.__newobj__(cls)` plus its `__dict__`, as any plain object is."""
 

@@ -1,7 +1,7 @@
 """Keep the process's memory and pauses in check: glibc arenas, heap trimming, and when Python's full
 garbage collections run (glibc parts are no-ops elsewhere).
 
-What issue 15 measured with `scripts/rss_soak.py` and `scripts/loop_lag.py`:
+What was measured with `scripts/rss_soak.py` and `scripts/loop_lag.py`:
 
 - Every thread that allocates (media decoding, the processor, the forward, torch's pool, libzmq)
   gets a glibc malloc arena, and glibc keeps an arena's freed memory for reuse instead of returning
@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-log = logging.getLogger("encode_server.housekeeping")
+log = logging.getLogger("encode_server.ops.housekeeping")
 
 _M_ARENA_MAX = -8  # from glibc's malloc.h
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -3,17 +3,17 @@
 `PreprocessPool` starts `workers` processes with `spawn`, each holding the adapter's
 `preprocessing_copy()` (no model) and one torch thread. A task is one item: its raw file bytes (a
 list of image files for a video given as frames) and its modality; the worker decodes it with the
-functions and limits of `encode_server/media.py`, checks its layout (`item_layout`) and runs the
+functions and limits of `encode_server/media/loader.py`, checks its layout (`item_layout`) and runs the
 family's `preprocess` on that item alone. `collate` then fuses a batch's per-item results in order
 into what one `preprocess` over the batch would give.
 
-Pixels never go through pickle: the worker (`preprocess_worker.py`) writes the item's input tensors
-into POSIX shared memory (`shared_tensors.py`: one of its reusable slots, else a one-off block) and
+Pixels never go through pickle: the worker (`preprocessing/worker.py`) writes the item's input tensors
+into POSIX shared memory (`preprocessing/shared_tensors.py`: one of its reusable slots, else a one-off block) and
 sends only their description and the layouts; the pool maps it and hands out views (the forward reads
 them directly, or `collate` copies them once into the batch's tensors). An item in a slot is a
 `PooledItem`: `release` gives the slot back to its worker once the forward has read it.
 
-One background thread, the conductor, owns the workers (a `preprocess_process.WorkerHandle` each:
+One background thread, the conductor, owns the workers (a `preprocessing.process.WorkerHandle` each:
 starting, reaping and stopping its process): it gives each idle worker the next task (one task per
 worker at a time, so an item goes to whichever worker is free first and a crash is attributed to
 exactly one item), receives results, and watches the processes' sentinels. An item the
@@ -23,7 +23,7 @@ crash fails that item with a 500 naming the signal.
 
 `submit(..., spare=True)` is for work ahead of need (the scheduler preprocesses queued requests while
 the forward is busy, `EncoderEngine.prefetch`): such items go to a worker only when no other item is
-waiting (`preprocess_tasks.TaskQueue`), so they fill idle workers and never delay a dispatched batch;
+waiting (`preprocessing.tasks.TaskQueue`), so they fill idle workers and never delay a dispatched batch;
 `claim` puts them first among spare work once their batch is dispatched, and `discard` drops a
 submission nobody will read. A worker holding one item longer than
 `item_timeout_s` is killed and its item failed. Every wait is bounded: callers get an answer for
@@ -55,14 +55,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from encode_server.media.decoding import MediaLimits
+from encode_server.preprocessing.process import WorkerHandle
+from encode_server.preprocessing.shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
+from encode_server.preprocessing.tasks import Submission, SubmissionFuture, Task, TaskQueue
 from processors import EncoderAdapter, PreparedBatch
 
-from .decoding import MediaLimits
-from .preprocess_process import WorkerHandle
-from .preprocess_tasks import Submission, SubmissionFuture, Task, TaskQueue
-from .shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
-
-log = logging.getLogger("encode_server.preprocess_pool")
+log = logging.getLogger("encode_server.preprocessing.pool")
 
 
 def default_preprocess_workers(cores: int | None = None) -> int:

@@ -8,7 +8,7 @@ one that finds no peer or a full queue waits (on the socket's event, not by poll
 (`copy=False`) from the tensor's memory; libzmq's I/O thread moves the bytes, off the event loop.
 
 What the frames hold (the wire format) and where they go (destinations, registrations) is
-`delivery.py`'s business; this module only moves frames.
+`delivery/destinations.py`'s business; this module only moves frames.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from .wire import is_wildcard_host
+from encode_server.delivery.wire import is_wildcard_host
 
-log = logging.getLogger("encode_server.transfer")
+log = logging.getLogger("encode_server.delivery.sockets")
 
 #: `tcp://host:port`, or SGLang's scheme-less `host:port` / `[v6]:port` (its `NetworkAddress.to_host_port_str`).
 _ENDPOINT = re.compile(r"^(?:tcp://)?(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})$")

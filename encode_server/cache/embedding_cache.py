@@ -17,7 +17,7 @@ what produced them, and makes concurrent requests for the same item share one co
   the computation for it as its own task; later callers for that key wait for the same result. The
   computation belongs to no caller: if the one that started it is cancelled, disconnects or times
   out, it goes on for the others; it is cancelled only when no caller waits for it any more.
-- **Urgency** (`demand.SharedDemand`): each caller may bring its `Demand` (deadline, priority); a
+- **Urgency** (`scheduling.demand.SharedDemand`): each caller may bring its `Demand` (deadline, priority); a
   computation hands the demands of everyone waiting for it to `compute`, so the encode it queues is
   ordered by its most urgent waiter and lives as long as its longest, and hears of joins and leaves.
 - **Failures** are never cached. Every caller waiting on a failed computation gets the same
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .demand import Demand, SharedDemand
+from encode_server.scheduling.demand import Demand, SharedDemand
 
 #: Bytes an entry costs besides its rows: the key, the layout, the tensor object and the LRU's node.
 #: tracemalloc sees about 410 bytes of Python objects per entry; torch's C++ tensor header comes on top.

@@ -1,4 +1,4 @@
-"""The scheduler's queues, kept in the policy's order (`policy.queue_key`), one per modality.
+"""The scheduler's queues, kept in the policy's order (`scheduling.policy.queue_key`), one per modality.
 
 `PolicyQueue` holds the waiting requests of one modality sorted by priority (descending), deadline
 and arrival, in a `sortedcontainers.SortedKeyList`: adding, removing one request, and reading the
@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 from sortedcontainers import SortedKeyList
 
-from .policy import Dispatch, QueuedView, queue_key
+from encode_server.scheduling.policy import Dispatch, QueuedView, queue_key
 
 T = TypeVar("T")
 
@@ -133,7 +133,7 @@ class ModalityQueues(Generic[T]):
         queue.add(view, item)
 
     def views(self) -> Mapping[str, Sequence[QueuedView]]:
-        """What `policy.decide` reads: the non-empty queues."""
+        """What `scheduling.policy.decide` reads: the non-empty queues."""
         return {modality: queue.views for modality, queue in self.queues.items() if len(queue)}
 
     def take(self, dispatch: Dispatch) -> list[T]:

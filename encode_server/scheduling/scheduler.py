@@ -2,18 +2,18 @@
 
 Other tasks only `submit` a job and await the future they get back. The scheduler's task drains the
 inbox into per-modality queues, drops requests that were cancelled, disconnected or expired, asks
-the pure policy (`policy.decide`) what to dispatch whenever the engine has room for a batch, and
+the pure policy (`scheduling.policy.decide`) what to dispatch whenever the engine has room for a batch, and
 otherwise sleeps until the next arrival, the next freed slot, or the policy's deadline. It never
 polls. Its time comes from an injectable `Clock`, so the rules are tested without sleeping.
 
 Each modality's queue is kept in the policy's order (priority, then deadline, then arrival: a
 `PolicyQueue`, O(log n) per submit) and the scheduler takes exactly the positions the policy names,
-promotions included. It feeds the learned cost model (`cost_model.CostModel`): every arrival, and
+promotions included. It feeds the learned cost model (`scheduling.cost_model.CostModel`): every arrival, and
 the forward time of every fused batch, which `--max-wait-ms auto` and the promotion window read.
 At the admission cap, `evict_for(priority)` makes room for a higher-priority newcomer by failing
 the queued request the policy would serve last (503 with Retry-After).
 
-In the server it runs on an event loop of its own, in its own thread (`scheduler_thread.SchedulerThread`):
+In the server it runs on an event loop of its own, in its own thread (`scheduling.scheduler_thread.SchedulerThread`):
 submissions and cancellations from the HTTP loop arrive through a `Mailbox` it drains before each
 decision, and wake it only while it has room for a batch.
 
@@ -41,19 +41,17 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from .clock import Clock, MonotonicClock
-from .cost_model import CostModel
-from .metrics import ServerMetrics
-from .policy import BatchPolicy, Dispatch, QueuedView, decide
-from .policy_queue import ModalityQueues
-from .records import EncodedPart, EncodeError, EncodeJob
+from encode_server.ops.metrics import ServerMetrics
+from encode_server.records import EncodedPart, EncodeError, EncodeJob
+from encode_server.scheduling.clock import Clock, MonotonicClock
+from encode_server.scheduling.cost_model import CostModel
+from encode_server.scheduling.mailbox import Mailbox
+from encode_server.scheduling.policy import BatchPolicy, Dispatch, QueuedView, decide
+from encode_server.scheduling.queues import ModalityQueues
 
-if TYPE_CHECKING:
-    from .scheduler_thread import Mailbox
-
-log = logging.getLogger("encode_server.scheduler")
+log = logging.getLogger("encode_server.scheduling.scheduler")
 T = TypeVar("T")
 
 

@@ -248,7 +248,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def watch_cache(self, cache) -> None:
-        """Export an `embedding_cache.EmbeddingCache`'s counters, read from it at every scrape."""
+        """Export an `cache.embedding_cache.EmbeddingCache`'s counters, read from it at every scrape."""
         self.registry.register(CacheCollector(cache))
 
 

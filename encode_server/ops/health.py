@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-log = logging.getLogger("encode_server.health")
+log = logging.getLogger("encode_server.ops.health")
 
 
 class HealthProbe:

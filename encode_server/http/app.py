@@ -22,12 +22,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
+from encode_server.ops.settings import Settings
+from encode_server.records import EncodeError, error_body
+from encode_server.service import EncoderService
 from processors import load_adapter
-
-from .records import EncodeError, error_body
-from .schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
-from .service import EncoderService
-from .settings import Settings
 
 log = logging.getLogger("encode_server.http")
 

@@ -18,16 +18,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from encode_server.admission.schemas import EncodeRequest, describe_validation_error, request_id_of
+from encode_server.delivery.sockets import endpoint_for
+from encode_server.ops.metrics import ServerMetrics
+from encode_server.ops.settings import Settings
+from encode_server.records import EncodeError, PartMeta
+from encode_server.scheduling.clock import Clock
 from processors import EncoderAdapter
 
-from .clock import Clock
-from .metrics import ServerMetrics
-from .records import EncodeError, PartMeta
-from .schemas import EncodeRequest, describe_validation_error, request_id_of
-from .settings import Settings
-from .transfer import endpoint_for
-
-log = logging.getLogger("encode_server.admission")
+log = logging.getLogger("encode_server.admission.gate")
 
 
 @dataclass

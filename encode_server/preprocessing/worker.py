@@ -1,9 +1,9 @@
-"""What a preprocessing worker process does (started by `preprocess_pool.PreprocessPool` with `spawn`).
+"""What a preprocessing worker process does (started by `preprocessing.pool.PreprocessPool` with `spawn`).
 
 A worker holds the adapter's `preprocessing_copy()` (no model) and one torch thread. For each task (one
 item's raw bytes and modality) it decodes the item with the functions and limits of
-`encode_server/media.py`, checks its layout, runs the family's `preprocess` on it alone, and sends the
-tensors back through shared memory (`shared_tensors.py`): never the pixels through the pipe. It keeps
+`encode_server/media/loader.py`, checks its layout, runs the family's `preprocess` on it alone, and sends the
+tensors back through shared memory (`preprocessing/shared_tensors.py`): never the pixels through the pipe. It keeps
 a few reusable slots for that (`SlotWriter`); a task carries the slots the pool has released since the
 worker's last task, and an item that finds no free slot goes in a one-off block.
 """
@@ -20,21 +20,19 @@ from typing import Any
 
 import torch
 
+from encode_server.media.decoding import MediaLimits
+from encode_server.preprocessing.shared_tensors import SlotWriter, export_tensors
 from processors import EncoderAdapter, PreparedBatch
 from processors.base import new_pixels, pixels_allocated_by
 
-from .decoding import MediaLimits
-from .shared_tensors import SlotWriter, export_tensors
-
-log = logging.getLogger("encode_server.preprocess_worker")
+log = logging.getLogger("encode_server.preprocessing.worker")
 
 
 def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
                  location: str) -> PreparedBatch:
     """Decode one item's bytes and run the family's `preprocess` on it alone (what a worker does)."""
+    from encode_server.media.decoding import MediaError, decode_bytes, decode_frames
     from processors import ItemError
-
-    from .decoding import MediaError, decode_bytes, decode_frames
 
     if isinstance(raw, list):
         item = decode_frames(raw, limits, location)
@@ -66,8 +64,8 @@ def _one_slot(slots: SlotWriter):
 def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
                  threads: int) -> None:
     """A worker process: warm up, say ready, then prepare one task at a time until told to stop."""
-    from .decoding import MediaError
-    from .parallel.worker import die_with_parent
+    from encode_server.media.decoding import MediaError
+    from encode_server.parallel.worker import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on SIGINT; it stops workers itself

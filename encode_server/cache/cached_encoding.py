@@ -18,16 +18,15 @@ from typing import Any
 
 import torch
 
+from encode_server.cache.embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
+from encode_server.media.decoding import MediaError, MediaLimits
+from encode_server.media.loader import LoadedItem, MediaLoader, MediaSource, RawItem, each_in_order
+from encode_server.ops.memory import default_cache_bytes
+from encode_server.ops.metrics import ServerMetrics
+from encode_server.ops.settings import Settings
+from encode_server.records import EncodedPart, EncodeError, PartMeta, Timings
+from encode_server.scheduling.demand import Demand, SharedDemand
 from processors import EncoderAdapter
-
-from .decoding import MediaError, MediaLimits
-from .demand import Demand, SharedDemand
-from .embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
-from .media import LoadedItem, MediaLoader, MediaSource, RawItem, each_in_order
-from .memory import default_cache_bytes
-from .metrics import ServerMetrics
-from .records import EncodedPart, EncodeError, PartMeta, Timings
-from .settings import Settings
 
 #: (meta, decoded items, decode seconds, the demands of the requests waiting) -> the job's rows, through the
 #: scheduler, which orders it by the most urgent of them and hears of joins and leaves.
@@ -104,7 +103,7 @@ class CachedEncoding:
 
 
 def cache_capacity(settings: Settings) -> int:
-    """`--cache-bytes` in bytes (auto: see `memory.default_cache_bytes`; 0: off)."""
+    """`--cache-bytes` in bytes (auto: see `ops.memory.default_cache_bytes`; 0: off)."""
     return default_cache_bytes() if settings.cache_bytes == "auto" else int(settings.cache_bytes)
 
 

@@ -5,7 +5,7 @@ inside `--allowed-local-media-dir`), `{"url"}`/`{"data"}` objects or, for video,
 `{"frames": [...]}`. `parse_item` checks an item's shape without touching its bytes; `MediaLoader`
 fetches URLs with aiohttp (through the URL guard) and decodes bytes in a thread pool. Every failure
 is a `MediaError` naming the item, so a corrupt item fails only its own request (decode before you
-fuse). The decoding itself (and `MediaLimits`, `MediaError`) lives in `decoding.py`.
+fuse). The decoding itself (and `MediaLimits`, `MediaError`) lives in `media/decoding.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
-from .decoding import MediaError, MediaLimits, decode_bytes, decode_frames
-from .url_guard import BlockedAddressError, GuardedConnector, content_type_refusal, resolve_local_path
+from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
+from encode_server.media.url_guard import (
+    BlockedAddressError,
+    GuardedConnector,
+    content_type_refusal,
+    resolve_local_path,
+)
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ after admission, its destinations get an error message, so prefill ranks never w
 waiting for registrations keeps that message for the receivers that register after it failed.
 
 What the frames hold is a `WireFormat`'s business (`NativeWire`: a JSON header and the raw bytes,
-docs/CONTRACT.md section 3); moving frames is `transfer.EmbeddingSender`'s.
+docs/CONTRACT.md section 3); moving frames is `delivery.sockets.EmbeddingSender`'s.
 """
 
 from __future__ import annotations
@@ -22,15 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from processors import EncoderAdapter
-from processors.dtypes import DTYPE_NAMES, raw_bytes
+from encode_server.delivery.sockets import DeliveryError, EmbeddingSender
+from encode_server.ops.metrics import ServerMetrics
+from encode_server.records import EncodedPart, EncodeError, PartMeta
 
-from .metrics import ServerMetrics
-from .records import EncodedPart, EncodeError, PartMeta
-from .transfer import DeliveryError, EmbeddingSender
-from .wire import Header
-
-log = logging.getLogger("encode_server.delivery")
+log = logging.getLogger("encode_server.delivery.destinations")
 
 Frames = list[bytes | memoryview]
 
@@ -43,30 +39,6 @@ class WireFormat(Protocol):
 
     def failure_frames(self, meta: PartMeta, status: int, message: str) -> Frames:
         """The message telling receivers that a part failed."""
-
-
-class NativeWire:
-    """Frame 0 a UTF-8 JSON header, frame 1 the embedding's raw little-endian bytes (empty on error)."""
-
-    def __init__(self, adapter: EncoderAdapter) -> None:
-        self._dtype = DTYPE_NAMES[adapter.dtype]
-        self._width = adapter.info.row_width
-        self._deepstack = adapter.info.deepstack
-
-    def header(self, meta: PartMeta, part: EncodedPart | None, error: dict | None = None) -> Header:
-        return Header(
-            req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
-            dtype=DTYPE_NAMES[part.embedding.dtype] if part is not None else self._dtype,
-            shape=tuple(part.embedding.shape) if part is not None else (0, self._width),
-            items=part.items_json() if part is not None else [],
-            error=error, deepstack=self._deepstack,
-        )
-
-    def success_frames(self, meta: PartMeta, part: EncodedPart) -> Frames:
-        return [self.header(meta, part).encode(), raw_bytes(part.embedding)]
-
-    def failure_frames(self, meta: PartMeta, status: int, message: str) -> Frames:
-        return [self.header(meta, None, {"code": status, "message": message}).encode(), b""]
 
 
 @dataclass

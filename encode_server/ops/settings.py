@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from encode_server.ops.memory import parse_cache_bytes
+from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
 from processors.dtypes import DTYPES
-
-from .memory import parse_cache_bytes
 
 
 def parse_bool(text: str | bool) -> bool:
@@ -243,12 +243,8 @@ class Settings:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.wire_format not in ("native", "sglang"):
             raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
-        from .sglang_wire import check_class_path
-
         check_class_path(self.sglang_embedding_class)
         if self.register_with:
-            from .sglang_registry import advertised_url, registry_urls
-
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
 
@@ -332,5 +328,5 @@ def settings_table_markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m encode_server.settings prints the README's table
+if __name__ == "__main__":  # python -m encode_server.ops.settings prints the README's table
     print(settings_table_markdown())
