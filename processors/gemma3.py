@@ -50,10 +50,13 @@ class Gemma3Adapter(VisionPartAdapter):
         """How many pan-and-scan crops the processor adds for an image of this size (the library's own rule)."""
         if not self.images_kwargs.get("do_pan_and_scan"):
             return 0
-        # The rule reads only the array's shape; a broadcast view costs no memory.
-        shape_only = np.broadcast_to(np.uint8(0), (3, height, width))
-        return len(self.image_processor.pan_and_scan(
-            image=shape_only, **{key: self.images_kwargs[key] for key in PAN_AND_SCAN_KEYS[1:]}))
+        # The rule reads only the image's shape; a broadcast view costs no memory. The PIL backend's rule
+        # takes an array, the torchvision backend's (what transformers picks where torchvision is) a tensor.
+        settings = {key: self.images_kwargs[key] for key in PAN_AND_SCAN_KEYS[1:]}
+        if hasattr(self.image_processor, "pan_and_scan"):
+            return len(self.image_processor.pan_and_scan(image=np.broadcast_to(np.uint8(0), (3, height, width)),
+                                                         **settings))
+        return len(self.image_processor.pan_and_scan_batched(torch.zeros(1).expand(3, height, width), **settings))
 
     def _layout(self, crops: int) -> ItemLayout:
         return ItemLayout(tokens=self.tokens_per_image * (1 + crops), grid_thw=(1 + crops, self.side, self.side))

@@ -24,6 +24,16 @@ def _save(model: torch.nn.Module, processor, folder: Path, max_shard_size: str |
     return folder
 
 
+def as_resolved(processor, folder: Path):
+    """The processor transformers itself resolves from the saved folder in this environment: where
+    torchvision is installed, its torchvision backend, as on every GPU machine. References are computed
+    with it, so the server is compared with what a user of that environment gets from transformers."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor
+
+    auto = AutoFeatureExtractor if "FeatureExtractor" in type(processor).__name__ else AutoImageProcessor
+    return auto.from_pretrained(folder)
+
+
 def qwen25_vl_checkpoint(folder: Path, max_shard_size: str | None = None):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -38,7 +48,8 @@ def qwen25_vl_checkpoint(folder: Path, max_shard_size: str | None = None):
     torch.manual_seed(7)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
-    return model, processor, _save(model, processor, folder, max_shard_size)
+    folder = _save(model, processor, folder, max_shard_size)
+    return model, as_resolved(processor, folder), folder
 
 
 def qwen2_vl_checkpoint(folder: Path, max_shard_size: str | None = None):
@@ -54,7 +65,8 @@ def qwen2_vl_checkpoint(folder: Path, max_shard_size: str | None = None):
     torch.manual_seed(10)
     model = Qwen2VLForConditionalGeneration(config).eval()
     processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 48)
-    return model, processor, _save(model, processor, folder, max_shard_size)
+    folder = _save(model, processor, folder, max_shard_size)
+    return model, as_resolved(processor, folder), folder
 
 
 def internvl_checkpoint(folder: Path, max_shard_size: str | None = None):
@@ -71,7 +83,8 @@ def internvl_checkpoint(folder: Path, max_shard_size: str | None = None):
     model = InternVLForConditionalGeneration(config).eval()
     processor = GotOcr2ImageProcessorPil(size={"height": 42, "width": 42}, crop_to_patches=True, min_patches=1,
                                          max_patches=4)
-    return model, processor, _save(model, processor, folder, max_shard_size)
+    folder = _save(model, processor, folder, max_shard_size)
+    return model, as_resolved(processor, folder), folder
 
 
 def qwen2_audio_checkpoint(folder: Path, max_shard_size: str | None = None):
@@ -86,7 +99,8 @@ def qwen2_audio_checkpoint(folder: Path, max_shard_size: str | None = None):
     torch.manual_seed(9)
     model = Qwen2AudioForConditionalGeneration(config).eval()
     extractor = WhisperFeatureExtractor(feature_size=40, sampling_rate=8000, hop_length=80, chunk_length=6)
-    return model, extractor, _save(model, extractor, folder, max_shard_size)
+    folder = _save(model, extractor, folder, max_shard_size)
+    return model, as_resolved(extractor, folder), folder
 
 
 def tiny_tokenizer(named: Mapping[str, str] | None = None, plain: Sequence[str] = ()):

@@ -13,6 +13,9 @@ from PIL import Image
 from encode_server.bench.launcher import ROOT, free_port  # noqa: F401 (re-exported for the tests)
 from encode_server.bench.launcher import ServerProcess as _Launcher
 
+#: The environment of a subprocess that must run as on a machine without torchvision (tests/no_torchvision).
+WITHOUT_TORCHVISION = {"PYTHONPATH": str(ROOT / "tests" / "no_torchvision")}
+
 
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)

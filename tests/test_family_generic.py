@@ -5,6 +5,9 @@ each refusal naming what is missing."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from processors.checkpoint import CheckpointError
 from processors.generic import FAMILY, GenericAdapter, generic_from_folder
 from processors.registry import FALLBACK_FAMILY, family_for_model_type, family_named, load_checkpoint
 
+from .helpers import ROOT, WITHOUT_TORCHVISION
 from .other_family_checkpoints import (
     blip2_checkpoint,
     llama_checkpoint,
@@ -90,13 +94,36 @@ def test_a_processor_that_miscounts_its_own_tokens_is_refused(checkpoint, tmp_pa
 @pytest.mark.parametrize("build, reason", [
     (llama_checkpoint, "LlamaModel has no get_image_features"),
     (blip2_checkpoint, "Blip2Processor has no _get_num_multimodal_tokens"),
-    (llava_onevision_checkpoint, "full processor does not load here"),  # its video processor needs torchvision
-], ids=["text-only", "no-token-count", "processor-needs-torchvision"])
+], ids=["text-only", "no-token-count"])
 def test_models_whose_rows_cannot_be_counted_are_refused_naming_why(build, reason, tmp_path):
     result = build(tmp_path / "model")
     folder = result[1] if isinstance(result, tuple) else result
     with pytest.raises(CheckpointError, match=reason):
         generic_from_folder(folder, CPU, F32)
+
+
+REFUSAL_WITHOUT_TORCHVISION = """
+import sys
+from pathlib import Path
+import torch
+from processors.checkpoint import CheckpointError
+from processors.generic import generic_from_folder
+try:
+    generic_from_folder(Path(sys.argv[1]), torch.device("cpu"), torch.float32)
+except CheckpointError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_a_processor_that_needs_torchvision_is_refused_on_a_machine_without_it(tmp_path):
+    """LLaVA-OneVision's video processor needs torchvision: where it is missing (hidden here in a subprocess),
+    the full processor does not load, so image tokens cannot be counted and the folder is refused."""
+    _, folder = llava_onevision_checkpoint(tmp_path / "model")
+    result = subprocess.run([sys.executable, "-c", REFUSAL_WITHOUT_TORCHVISION, str(folder)], cwd=ROOT,
+                            env={**os.environ, **WITHOUT_TORCHVISION}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "full processor does not load here" in result.stdout
 
 
 def test_a_model_type_transformers_does_not_know_is_refused(checkpoint, tmp_path):

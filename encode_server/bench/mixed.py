@@ -8,12 +8,17 @@ measured first (closed loop, concurrency 64); then, in alternating rounds of `--
   at priority 0: today's first in, first out;
 - `priority`: the same, the interactive requests at priority 1.
 
-Each reports the interactive p50/p99 and errors, and the offline and total throughput.
+Each reports the interactive p50/p99 and errors, and the offline and total throughput. With
+`--cache off,on` the whole comparison runs twice in one invocation, on a server with the embedding
+cache off and one with its default size; every request then carries an image of its own (the same
+pixels, distinct bytes), so the cache shares nothing and the run measures the scheduling of cache
+misses, not cache hits.
 
 `wait`: `--max-wait-ms auto` against a sweep of fixed waits on the standard closed-loop points
 (concurrency 1, 16, 64), one server per setting, started one after another in one run.
 
     python -m encode_server.bench.mixed mixed --round-s 15 --rounds 2
+    python -m encode_server.bench.mixed mixed --round-s 12 --rounds 2 --cache off,on
     python -m encode_server.bench.mixed wait --waits 0,2,5,10,auto
 """
 
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import itertools
 import json
 import statistics
 import time
@@ -31,6 +38,27 @@ import numpy as np
 
 from encode_server.bench.launcher import ServerProcess
 from encode_server.bench.load import _Client, _session, _warm, closed_loop, make_payloads
+from encode_server.bench.workloads import png_with_nonce
+
+
+class DistinctPayloads:
+    """The payloads, each request's with bytes of its own (a nonce chunk in the PNG, the same pixels): a
+    sequence whose every read is a new item, so a server's cache never shares one between requests."""
+
+    def __init__(self, payloads: list[str]) -> None:
+        self._pngs = [base64.b64decode(payload) for payload in payloads]
+        self._nonces = itertools.count()
+
+    def __len__(self) -> int:
+        return 10**12
+
+    def __getitem__(self, index: int) -> str:
+        png = self._pngs[index % len(self._pngs)]
+        return base64.b64encode(png_with_nonce(png, f"request-{next(self._nonces)}")).decode()
+
+    def requests(self, count: int) -> list[str]:
+        """`count` distinct payloads made now (what `closed_loop` takes from a workload)."""
+        return [self[index] for index in range(count)]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -109,8 +137,18 @@ async def _round(url: str, arm: str, rate: float, seconds: float, concurrency: i
 
 
 async def run_mixed(args) -> dict:
+    """One comparison per `--cache` setting, in one invocation."""
+    results = {}
+    for cache in args.cache:
+        results[f"cache-{cache}"] = await run_mixed_once(args, cache)
+    return results if len(results) > 1 else next(iter(results.values()))
+
+
+async def run_mixed_once(args, cache: str) -> dict:
     payloads = make_payloads("image", 64, args.image_size)
-    with ServerProcess("--model", args.model, "--cache-bytes", "0",
+    if cache == "on":
+        payloads = DistinctPayloads(payloads)
+    with ServerProcess("--model", args.model, "--cache-bytes", "auto" if cache == "on" else "0",
                        "--max-batch-size", str(args.max_batch_size)) as server:
         async with _session(72) as session:
             await _warm(_Client(session, server.url, "image", payloads), "warm")
@@ -122,7 +160,7 @@ async def run_mixed(args) -> dict:
             for arm in ("idle", "fifo", "priority"):
                 result = await _round(server.url, arm, rate, args.round_s, args.offline_concurrency, payloads,
                                       seed=round_index)
-                print(json.dumps(result), flush=True)
+                print(json.dumps({"cache": cache, **result}), flush=True)
                 rounds.append(result)
     summary = {}
     for arm in ("idle", "fifo", "priority"):
@@ -173,6 +211,8 @@ def main(argv=None) -> None:
     parser.add_argument("--waits", type=lambda text: text.split(","), default=["0", "2", "5", "10", "auto"])
     parser.add_argument("--concurrency", type=lambda text: [int(x) for x in text.split(",")], default=[1, 16, 64])
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--cache", type=lambda text: text.split(","), default=["off"],
+                        help="mixed: off, on, or off,on (both, one after the other in this run)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     result = asyncio.run(run_mixed(args) if args.which == "mixed" else run_wait(args))
