@@ -118,17 +118,24 @@ def _complete(folder: Path) -> bool:
 
 def _download_processor_files(hub_id: HubId) -> Path:
     """The Hub cache's snapshot folder of the commit, holding (at least) the processor files and the index."""
-    from huggingface_hub import errors, hf_hub_download, snapshot_download
+    from huggingface_hub import snapshot_download
 
-    snapshot = Path(snapshot_download(hub_id.repo_id, revision=hub_id.revision, allow_patterns=list(PROCESSOR_FILES)))
-    for name in vocabulary_files(snapshot):
+    return Path(snapshot_download(hub_id.repo_id, revision=hub_id.revision, allow_patterns=list(PROCESSOR_FILES)))
+
+
+def _download_vocabulary_files(hub_id: HubId, snapshot: Path) -> list[str]:
+    """Fetch into the snapshot the vocabulary files of the repository's tokenizer class; their names."""
+    from huggingface_hub import errors, hf_hub_download
+
+    names = vocabulary_files(snapshot)
+    for name in names:
         # what PROCESSOR_FILES matches, `snapshot_download` has fetched already if the repository has it
         if not (snapshot / name).is_file() and not any(fnmatch(name, pattern) for pattern in PROCESSOR_FILES):
             try:
                 hf_hub_download(hub_id.repo_id, name, revision=snapshot.name)
             except errors.EntryNotFoundError:  # the class can do without it (e.g. tokenizer.json is there)
                 pass
-    return snapshot
+    return names
 
 
 def vocabulary_files(snapshot: Path) -> list[str]:
@@ -157,6 +164,7 @@ def _build(hub_id: HubId, snapshot: Path, target: Path) -> Path:
 
     from .registry import load_checkpoint
 
+    patterns = [*PROCESSOR_FILES, *_download_vocabulary_files(hub_id, snapshot)]
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.{uuid.uuid4().hex}.partial"
     staging.mkdir()  # with the permissions the umask gives, as the folder it becomes
@@ -168,7 +176,6 @@ def _build(hub_id: HubId, snapshot: Path, target: Path) -> Path:
         with fs.open(f"{hub_id.repo_id}@{commit}/{name}", "rb", cache_type="none") as handle:
             yield handle
 
-    patterns = [*PROCESSOR_FILES, *vocabulary_files(snapshot)]
     try:
         for path in snapshot.rglob("*"):
             name = path.relative_to(snapshot).as_posix()
@@ -186,7 +193,8 @@ def _build(hub_id: HubId, snapshot: Path, target: Path) -> Path:
             chosen = encoder_keys_of(staging, key_files,
                                      lambda: load_checkpoint(staging, torch.device("cpu"), torch.float32))
         except CheckpointError as exc:
-            raise CheckpointError(str(exc).replace(str(staging), str(hub_id))) from None
+            message = str(exc).replace(str(staging.resolve()), str(hub_id)).replace(str(staging), str(hub_id))
+            raise CheckpointError(message) from None
         sizes: dict[str, int] = {}
         for name in sorted(set(chosen.values())):
             if name not in headers:
