@@ -8,7 +8,6 @@ per file, so the tests check that the weights were read only in the encoder's by
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -59,8 +58,12 @@ def repos(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def hub(repos):
-    with HubStandIn({**repos, "org/gated": repos["org/tiny"]}, gated={"org/gated": "hf_secret"}) as stand_in:
+def hub(repos, tmp_path):
+    no_weights = tmp_path / "no-weights"  # a repository with a config but no safetensors (say, only .bin)
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((repos["org/tiny"] / "config.json").read_text())
+    with HubStandIn({**repos, "org/gated": repos["org/tiny"], "org/bin-only": no_weights},
+                    gated={"org/gated": "hf_secret"}) as stand_in:
         yield stand_in
 
 
@@ -126,14 +129,12 @@ IMAGES = [[random_image(56, 56, 1)], [random_image(90, 40, 2), random_image(130,
 
 
 def served_rows(url: str) -> list[np.ndarray]:
-    async def post_all() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(client.post(url + "/encode", json={
-                "req_id": f"r{i}", "modality": "image", "mm_items": [png_b64(image) for image in images],
-                "return_embedding": True}) for i, images in enumerate(IMAGES)))
-
+    """The rows of each request of `IMAGES`, sent one after the other (so every server forms the same batches)."""
     rows = []
-    for response in asyncio.run(post_all()):
+    for i, images in enumerate(IMAGES):
+        response = httpx.post(url + "/encode", timeout=120, json={
+            "req_id": f"r{i}", "modality": "image", "mm_items": [png_b64(image) for image in images],
+            "return_embedding": True})
         assert response.status_code == 200, response.text
         body = response.json()
         rows.append(np.frombuffer(base64.b64decode(body["embedding"]), "<f4").reshape(body["embedding_shape"]))
@@ -174,6 +175,20 @@ def test_hub_id_serves_the_local_folders_rows_reading_only_the_encoders_bytes(hu
     assert hub.requests == []
 
 
+def test_data_parallel_replicas_load_the_folder_downloaded_once(hub, repos, tmp_path):
+    folder = repos["org/tiny"]
+    with ServerProcess("--model", str(folder)) as server:
+        want = served_rows(server.url)
+    encoder_keys = {key for key in header_of(folder / "model.safetensors")[1] if key.startswith("visual.")}
+    with ServerProcess("--model", "org/tiny", "--dp-size", "2", env=hub_env(hub, tmp_path / "home")) as server:
+        ranks = httpx.get(server.url + "/server_info").json()["ranks"]
+        got = served_rows(server.url)
+    assert len(ranks) == 2 and all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert hub.served[("org/tiny", "model.safetensors")] == expected_bytes(folder, encoder_keys)["model.safetensors"]
+    assert hub.requests.count(("GET", "/api/models/org/tiny/revision/main", None)) == 1, \
+        "only the first rank asks the Hub which commit main is"
+
+
 def test_sharded_hub_model_reads_only_the_shards_and_ranges_of_the_encoder(hub, repos, tmp_path):
     folder = repos["org/tiny-sharded"]
     env = hub_env(hub, tmp_path / "home")
@@ -191,6 +206,13 @@ def test_sharded_hub_model_reads_only_the_shards_and_ranges_of_the_encoder(hub, 
     for name, size in expected.items():
         assert hub.served[("org/tiny-sharded", name)] == size, name
 
+    hub.reset_counts()  # a later start online: one request, which commit `main` is, and the same folder
+    code = "import processors; print(processors.resolve_model('org/tiny-sharded'))"
+    again = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.strip() == outcome["folder"], again.stderr
+    assert hub.requests == [("GET", "/api/models/org/tiny-sharded/revision/main", None)]
+
 
 # --- clear failures -------------------------------------------------------------------------------
 
@@ -200,12 +222,14 @@ def test_offline_and_not_cached_fails_with_the_message(hub, tmp_path):
     assert len(stderr.strip().splitlines()[-1]) < 300 and hub.requests == []
 
 
-def test_unknown_repo_revision_and_gated_repo_fail_with_the_fix(hub, tmp_path):
+def test_unknown_repo_revision_no_safetensors_and_gated_repo_fail_with_the_fix(hub, tmp_path):
     env = hub_env(hub, tmp_path / "home")
     stderr = start_fails("org/missing", env)
     assert f"no model repository org/missing on {hub.url}" in stderr.strip().splitlines()[-1], stderr
     stderr = start_fails("org/tiny@no-such-branch", env)
     assert "org/tiny has no revision 'no-such-branch'" in stderr.strip().splitlines()[-1], stderr
+    stderr = start_fails("org/bin-only", env)
+    assert "org/bin-only has no safetensors weights" in stderr.strip().splitlines()[-1], stderr
     stderr = start_fails("org/gated", env)
     assert "org/gated is a gated repository" in stderr and "set HF_TOKEN" in stderr.strip().splitlines()[-1], stderr
 
