@@ -5,7 +5,7 @@ Everything goes through `huggingface_hub`, so its cache and variables work as us
 
 1. the config, processor, tokenizer and chat-template files and the weights' index (`PROCESSOR_FILES`,
    plus the vocabulary files of the tokenizer class `tokenizer_config.json` names) are downloaded into
-   the Hub cache with `snapshot_download`;
+   the Hub cache with `snapshot_download` (and `hf_hub_download` for those vocabulary files);
 2. the family that serves the config chooses the tensors its encoder needs, by its own loader run on
    those files and the checkpoint's list of keys (`checkpoint.encoder_keys_of`; the index lists them,
    or the single `model.safetensors`' header, read by byte range);
