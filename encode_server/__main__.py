@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -27,18 +28,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported late so that --help answers fast
 
     from encode_server.http.app import create_app
-    from processors import load_adapter
+    from processors import load_adapter, resolve_model
 
+    try:  # a Hub id becomes its local encoder-only folder here, downloaded once for every rank
+        model = resolve_model(settings.model)
+    except (ValueError, OSError) as exc:
+        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
     group = None
     world = max(settings.tp_size, settings.dp_size)
     set_cpu_threads(settings, world)
     if world > 1:
         from encode_server.parallel.ranks import WorkerGroup
 
-        group = WorkerGroup(settings, "tp" if settings.tp_size > 1 else "dp", world)
+        group = WorkerGroup(dataclasses.replace(settings, model=model), "tp" if settings.tp_size > 1 else "dp", world)
         group.start()  # the other ranks load the model while this one does
     try:
-        adapter = load_adapter(settings.model, settings.device, settings.dtype)
+        adapter = load_adapter(model, settings.device, settings.dtype,
+                               name=settings.model if model != settings.model else None)
         if group is not None and group.role == "tp":
             from encode_server.parallel.ranks import join_tensor_parallel
 

@@ -1,4 +1,4 @@
-"""Encoder families behind one adapter interface; `load_adapter` picks one by name or folder.
+"""Encoder families behind one adapter interface; `load_adapter` picks one by name, folder or Hub id.
 
 Each family is one module declaring a `Family` (`processors/family.py`); `processors/registry.py`
 lists them. `BUILTIN_MODELS` (built-in tiny model name -> builder) is gathered from the registry on
@@ -21,7 +21,7 @@ from .base import (
 from .dtypes import DTYPE_NAMES
 
 __all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",
-           "BUILTIN_MODELS"]
+           "resolve_model", "BUILTIN_MODELS"]
 
 
 def __getattr__(name: str) -> Any:
@@ -32,20 +32,43 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> EncoderAdapter:
-    """The encoder for a built-in model name or a local Hugging Face checkpoint folder."""
+def resolve_model(model: str) -> str:
+    """What `--model` names, as something `load_adapter` loads without the network: a built-in name or an
+    existing folder as it is; a Hub id `org/name[@revision]` as its local encoder-only folder, downloaded
+    on first use (`processors/hub.py`). Anything else is a `CheckpointError` listing the built-in names."""
     from pathlib import Path
 
     from .checkpoint import CheckpointError
+    from .registry import builtin_models
+
+    builtins = builtin_models()
+    if model in builtins or Path(model).expanduser().is_dir():
+        return model
+    from .hub import encoder_checkpoint, parse_hub_id
+
+    hub_id = parse_hub_id(model)
+    if hub_id is not None:
+        return str(encoder_checkpoint(hub_id))
+    known = ", ".join(sorted(builtins))
+    raise CheckpointError(f"unknown model {model!r}: expected a built-in name ({known}), a checkpoint folder, or a "
+                          "Hugging Face Hub id (org/name or org/name@revision)")
+
+
+def load_adapter(model: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> EncoderAdapter:
+    """The encoder for a built-in model name, a local Hugging Face checkpoint folder, or a Hub id (see
+    `resolve_model`). `name` is what `/server_info` calls it; by default the built-in name, the folder's
+    name, or the Hub id as given."""
+    import dataclasses
+
     from .registry import builtin_models, load_checkpoint
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    builtins = builtin_models()
-    builder = builtins.get(model)
-    if builder is not None:
-        return builder(torch_device, torch_dtype)
-    if Path(model).expanduser().is_dir():
-        return load_checkpoint(model, torch_device, torch_dtype)
-    known = ", ".join(sorted(builtins))
-    raise CheckpointError(f"unknown model {model!r}: expected a built-in name ({known}) or a checkpoint folder")
+    local = resolve_model(model)
+    builder = builtin_models().get(local)
+    adapter = builder(torch_device, torch_dtype) if builder is not None else load_checkpoint(local, torch_device,
+                                                                                             torch_dtype)
+    name = name or (model if local != model else None)
+    if name is not None and name != adapter.info.name:
+        adapter.info = dataclasses.replace(adapter.info, name=name)
+    return adapter

@@ -7,12 +7,20 @@ carry a leading `model.` (the layout `transformers` uses in memory) or not (the 
 checkpoints); both are accepted.
 Which family serves a folder (by `config.json`'s `model_type`) is `processors/registry.py`'s job;
 this module imports no family.
+
+Every family reads its encoder's tensors through `read_tensors`, in one call, after it has chosen
+them by its own rules (its modules' state-dict keys, `transformers`' renamings). `encoder_keys_of`
+uses that: it runs a family's loader on a folder that holds the config and processor files but no
+weights, only a list of the checkpoint's keys, and stops it at that call, so the keys the encoder
+needs are known before a single tensor byte is read (`processors/hub.py` fetches just those).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,8 +42,52 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
 
 
+@dataclass(frozen=True)
+class _KeyListing:
+    """A folder whose weights are not there, only the names of the checkpoint's keys and their files."""
+
+    folder: Path
+    files: dict[str, str]  # checkpoint key -> safetensors file name
+
+
+_listing: ContextVar[_KeyListing | None] = ContextVar("encoder_key_listing", default=None)
+
+
+class _EncoderKeysChosen(BaseException):
+    """Raised at a family's tensor read under `encoder_keys_of`; a BaseException so that no loader's
+    `except Exception` can swallow it."""
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        super().__init__(f"{len(keys)} encoder tensors chosen")
+        self.keys = keys
+
+
+def encoder_keys_of(folder: Path, files: dict[str, str], load: Callable[[], object]) -> dict[str, str]:
+    """The checkpoint keys (-> file name) that `load` (a family's loader on `folder`) reads, given the
+    checkpoint's keys and files (`files`, as the index or the headers list them) instead of weights.
+
+    `load` runs up to its `read_tensors` call and is stopped there; a folder it cannot serve raises
+    its `CheckpointError` as usual (a missing encoder tensor included), before anything is read."""
+    token = _listing.set(_KeyListing(folder.expanduser().resolve(), dict(files)))
+    try:
+        load()
+    except _EncoderKeysChosen as chosen:
+        return chosen.keys
+    finally:
+        _listing.reset(token)
+    raise CheckpointError(f"{folder}: the family's loader read no tensors, so its encoder's keys are unknown")
+
+
+def _listed(folder: Path) -> _KeyListing | None:
+    listing = _listing.get()
+    return listing if listing is not None and listing.folder == folder.expanduser().resolve() else None
+
+
 def _shard_files(folder: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file that holds it."""
+    listing = _listed(folder)
+    if listing is not None:
+        return {key: folder / name for key, name in listing.files.items()}
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -60,6 +112,17 @@ def load_encoder_weights(module: torch.nn.Module, folder: Path) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
+    module.load_state_dict(read_tensors(folder, files, chosen), strict=True, assign=True)
+
+
+def read_tensors(folder: Path, files: dict[str, Path], chosen: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The chosen tensors (module key -> checkpoint key), each read on its own from its shard.
+
+    A family reads all its encoder's tensors in one call to this, after choosing them (see
+    `encoder_keys_of`)."""
+    listing = _listed(folder)
+    if listing is not None:
+        raise _EncoderKeysChosen({checkpoint_key: listing.files[checkpoint_key] for checkpoint_key in chosen.values()})
     by_file: dict[Path, list[str]] = {}
     for key, checkpoint_key in chosen.items():
         by_file.setdefault(files[checkpoint_key], []).append(key)
@@ -70,7 +133,7 @@ def load_encoder_weights(module: torch.nn.Module, folder: Path) -> None:
         with safe_open(str(path), "pt") as handle:
             for key in keys:
                 state[key] = handle.get_tensor(chosen[key])
-    module.load_state_dict(state, strict=True, assign=True)
+    return state
 
 
 def load_encoder_modules(folder: Path, build: Callable[[], dict[str, torch.nn.Module]]) -> torch.nn.ModuleDict:

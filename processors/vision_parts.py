@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from .base import EncoderAdapter, ItemError, ModelInfo
-from .checkpoint import CheckpointError, _shard_files
+from .checkpoint import CheckpointError, _shard_files, read_tensors
 
 DROPPED_MODULES = ("language_model", "lm_head")
 
@@ -92,8 +92,6 @@ def _checkpoint_keys_for(model: torch.nn.Module, files: dict[str, Path], folder:
 def load_vision_part(folder: Path, model_class: type, config: Any, device: torch.device,
                      dtype: torch.dtype) -> torch.nn.Module:
     """The base model without its language model, filled from the folder's safetensors, on `device`."""
-    from safetensors import safe_open
-
     model = build_without_language_model(model_class, config, dtype)
     files = _shard_files(folder)
     chosen = _checkpoint_keys_for(model, files, folder)
@@ -102,6 +100,7 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
+    state = {key: tensor.to(wanted[key].dtype) for key, tensor in read_tensors(folder, files, chosen).items()}
     model.to_empty(device="cpu")
     # Everything the checkpoint holds is marked initialised, so `initialize_weights` fills only the
     # non-persistent buffers, as `from_pretrained` does; the loaded tensors are assigned after it anyway.
@@ -109,16 +108,6 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
         if name in chosen:
             tensor._is_hf_initialized = True
     model.initialize_weights()
-    state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for key, checkpoint_key in chosen.items():
-        by_file.setdefault(files[checkpoint_key], []).append(key)
-    for path, keys in by_file.items():
-        if not path.is_file():
-            raise CheckpointError(f"{folder}: shard {path.name} named in the index is missing")
-        with safe_open(str(path), "pt") as handle:
-            for key in keys:
-                state[key] = handle.get_tensor(chosen[key]).to(wanted[key].dtype)
     model.load_state_dict(state, strict=True, assign=True)  # every persistent tensor, nothing else
     return model.to(device=device).eval()
 

@@ -22,8 +22,8 @@ QUICK_MODULES = frozenset({
     "test_family_mistral3", "test_family_qwen3_vl", "test_fast_patches", "test_housekeeping", "test_layout",
     "test_metrics", "test_packed_attention", "test_patch_embed", "test_policy", "test_policy_queue",
     "test_prefill_counts", "test_priority_pool", "test_qwen_video_settings", "test_registrations",
-    "test_scheduler", "test_scheduler_priority", "test_scheduler_thread", "test_sender", "test_service",
-    "test_service_priority", "test_settings", "test_sglang_wire", "test_wire_deepstack",
+    "test_safetensors_ranges", "test_scheduler", "test_scheduler_priority", "test_scheduler_thread", "test_sender",
+    "test_service", "test_service_priority", "test_settings", "test_sglang_wire", "test_wire_deepstack",
 })
 
 

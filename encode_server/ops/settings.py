@@ -70,8 +70,10 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("--model", str, "tiny-qwen2.5-vl",
-           "a built-in model name (such as tiny-qwen2.5-vl) or the path of a local Hugging Face checkpoint "
-           "folder whose model_type a family serves; `python -m processors.registry` lists both"),
+           "a built-in model name (such as tiny-qwen2.5-vl), the path of a local Hugging Face checkpoint "
+           "folder whose model_type a family serves (`python -m processors.registry` lists both), or a Hub id "
+           "org/name[@revision], of which only the encoder's tensors are downloaded (HF_HOME, HF_TOKEN, "
+           "HF_HUB_OFFLINE apply)"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),
     Option("--device", str, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N"),
