@@ -23,7 +23,7 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
     regex psutil msgspec cbor2 cloudpickle "pydantic>=2.12" "fastapi<0.137" "openai>=2.25" partial-json-parser \
     py-cpuinfo einops sentencepiece tiktoken "mistral_common[image]>=1.11.6" opencv-python-headless pyyaml \
     jsonschema "pillow>=13" "aiohttp>=3.14.4" pyzmq requests tqdm protobuf filelock watchfiles \
-    python-json-logger prometheus-fastapi-instrumentator setproctitle ijson
+    python-json-logger prometheus-fastapi-instrumentator setproctitle ijson oss-harmony
 # This server's own dependencies (pyproject.toml), so the script can start it from the same venv.
 "${PIP[@]}" "uvicorn>=0.29" "httptools>=0.6" "uvloop>=0.19" "orjson>=3.9" "numpy>=1.26" "prometheus_client>=0.20" \
     "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "av>=12"
@@ -32,6 +32,6 @@ VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
 import vllm
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.media.connector import MediaConnector
-from vllm.entrypoints.chat_utils import parse_chat_messages
+from vllm.renderers.chat_utils.chat_message import parse_chat_messages
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 print('vLLM', vllm.__version__, 'ready in $VENV')"
