@@ -37,8 +37,8 @@ log = logging.getLogger("encode_server.vllm_producer")
 
 @dataclass(frozen=True)
 class StoredItem:
-    """One item of a request, in the storage: its identifier, its rows (None: a hit by uuid alone, whose
-    file was not read) and whether it was there already."""
+    """One item of a request, in the storage: its identifier, its rows (None: a stored file whose header
+    could not be read) and whether it was there already."""
 
     identifier: str
     tokens: int | None
@@ -49,6 +49,7 @@ class StoredItem:
 class _Prepared:
     identifier: str
     hit: bool
+    rows: int | None = None  # a hit's rows, from its file's header
     encode_bytes: bytes = b""  # what goes through the native path: the file, or a PNG of vLLM's pixels
     location: str = ""
 
@@ -93,7 +94,8 @@ class VllmProducer:
         tokens = {identifier: future.result() for identifier, (future, _) in owned.items()}
         for identifier, future in waited.items():
             tokens[identifier] = await asyncio.shield(future)
-        return [StoredItem(item.identifier, tokens.get(item.identifier), item.hit) for item in prepared]
+        return [StoredItem(item.identifier, item.rows if item.hit else tokens.get(item.identifier), item.hit)
+                for item in prepared]
 
     async def _prepare(self, part: ChatMediaPart, req_id: str) -> _Prepared:
         """Fetch, decode and identify one item, and look it up in the storage."""
@@ -103,7 +105,8 @@ class VllmProducer:
             if part.uuid is not None:
                 check_identifier(part.uuid)
                 if await loop.run_in_executor(pool, self.storage.lookup, part.uuid):
-                    return _Prepared(part.uuid, hit=True)
+                    return _Prepared(part.uuid, hit=True,
+                                     rows=await loop.run_in_executor(pool, self.storage.stored_rows, part.uuid))
                 if part.url is None:
                     raise MediaError(part.location, f"no item is stored under uuid {part.uuid!r} and the part "
                                                     f"has no image_url to encode it from")
@@ -128,7 +131,7 @@ class VllmProducer:
         identifier = check_identifier(image_identifier(self.algorithm, self.model_id,
                                                        EncodedImage(data, image.io_config), part.uuid))
         if part.uuid is None and self.storage.lookup(identifier):
-            return _Prepared(identifier, hit=True)
+            return _Prepared(identifier, hit=True, rows=self.storage.stored_rows(identifier))
         return _Prepared(identifier, hit=False, encode_bytes=data if image.native_equivalent else image.png(),
                          location=part.location)
 

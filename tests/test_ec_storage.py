@@ -53,6 +53,7 @@ def test_lookup_is_a_hit_only_for_a_whole_file(tmp_path):
     assert not storage.lookup("partial")
     storage.write("there", rows(3))
     assert storage.lookup("there") and storage.stats.hits == 1
+    assert storage.stored_rows("there") == 4 and storage.stored_rows("absent") is None
 
 
 def test_identifiers_that_cannot_name_one_folder_are_refused(tmp_path):

@@ -95,6 +95,7 @@ def test_hits_uuids_and_several_items_in_one_body(tmp_path):
         again = post(server, proxy_body(image_part(data_url(first)), {"uuid": "mine-2", "image_url": None}))
         assert again.status_code == 200, again.text
         assert [item["hit"] for item in again.json()["encoder_cache"]] == [True, True]
+        assert [item["tokens"] for item in again.json()["encoder_cache"]] == [items[0]["tokens"], items[1]["tokens"]]
         assert server.metric("encoder_ec_storage_writes_total") == 2
         assert server.metric("encoder_ec_storage_hits_total") == 2
         assert server.metric("encoder_batch_size_count") == forwards

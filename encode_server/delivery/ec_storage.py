@@ -19,6 +19,7 @@ Thread-safe: the service calls it from worker threads (file I/O never runs on th
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -132,6 +133,16 @@ class ECStorage:
             self._bytes += size
             self.stats.hits += 1
         return True
+
+    def stored_rows(self, identifier: str) -> int | None:
+        """The rows of a stored item, from its safetensors header (None when it cannot be read)."""
+        try:
+            with open(self.path_of(identifier), "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(min(length, 1 << 20)))
+            return int(header[TENSOR_KEY]["shape"][0])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
 
     # --- writing ---------------------------------------------------------------------------------
 
