@@ -54,6 +54,22 @@ class _Prepared:
     location: str = ""
 
 
+def check_vllm_layout(adapter) -> None:
+    """Refuse a checkpoint whose rows vLLM 0.33 would lay out otherwise than transformers (and so we) do.
+
+    LLaVA-OneVision: vLLM counts placeholders and packs the tile map with `anyres_max_9` whatever the
+    checkpoint's `vision_aspect_ratio` says (`LlavaOnevisionProcessingInfo._get_num_unpadded_features`,
+    `_merge_image_patch_embeddings`); released checkpoints say `anyres_max_9`, and only then do the rows agree.
+    """
+    if adapter.info.family == "llava_onevision":
+        ratio = getattr(getattr(getattr(adapter, "model", None), "config", None), "vision_aspect_ratio",
+                        "anyres_max_9")
+        if ratio != "anyres_max_9":
+            raise ValueError(f"--ec-storage: this LLaVA-OneVision checkpoint says vision_aspect_ratio {ratio!r}, but "
+                             f"vLLM 0.33 lays out and counts its rows with 'anyres_max_9' whatever the checkpoint "
+                             f"says, so a vLLM consumer would refuse our rows; serve it without --ec-storage")
+
+
 class VllmProducer:
     """Stores items' rows where vLLM's `ECExampleConnector` consumers read them; see the module docstring."""
 
@@ -67,6 +83,7 @@ class VllmProducer:
 
     @classmethod
     def from_settings(cls, service: EncoderService, settings: Settings) -> VllmProducer:
+        check_vllm_layout(service.adapter)
         storage = ECStorage(settings.ec_storage, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
         log.info("vLLM producer: storage %s (bound %s bytes), identifiers for model %r with %s", storage.root,
                  settings.ec_storage_bytes or "no", settings.ec_identifier_model, settings.ec_hash_algorithm)

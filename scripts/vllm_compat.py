@@ -36,6 +36,7 @@ import base64
 import copy
 import http.server
 import io
+import json
 import os
 import shutil
 import sys
@@ -283,11 +284,16 @@ def metric(url: str, name: str) -> float:
     return float("nan")
 
 
+#: The interpreter the server runs in (`--server-python`): by default the project's own environment, as a
+#: deployment runs it beside vLLM (whose transformers pin may be older than the project's).
+SERVER_PYTHON: list[str] = []
+
+
 def start_server(folder: Path, storage: Path, *extra: str):
     from tests.helpers import ServerProcess
 
     return ServerProcess("--model", str(folder), "--ec-storage", str(storage), "--allow-private-urls", "true",
-                         "--cache-bytes", "0", *extra, startup_timeout=300)
+                         "--cache-bytes", "0", *extra, startup_timeout=300, python=SERVER_PYTHON[0])
 
 
 def check_round_trip(consumer: Consumer, server_url: str, body: dict, step: str,
@@ -373,7 +379,14 @@ def build_other(name: str, folder: Path) -> Path:
     if name == "gemma3":
         other.gemma3_checkpoint(folder)
     elif name == "llava_onevision":
+        # vLLM 0.33 packs (and counts) LLaVA-OneVision rows with anyres_max_9 whatever the checkpoint says,
+        # as every released checkpoint says; the fixture's anyres_max_2 is set to that (the producer refuses
+        # other values at start-up: see vllm_producer.check_vllm_layout).
         other.llava_onevision_checkpoint(folder)
+        for file in ("config.json", "processor_config.json"):
+            settings = json.loads((folder / file).read_text())
+            settings["vision_aspect_ratio"] = "anyres_max_9"
+            (folder / file).write_text(json.dumps(settings))
     elif name == "mistral3":
         other.mistral3_checkpoint(folder)
     return folder
@@ -595,7 +608,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="all", help="comma-separated families, or all")
     parser.add_argument("--no-scenarios", action="store_true", help="only the per-family table")
+    default_python = ROOT / ".venv" / "bin" / "python"
+    parser.add_argument("--server-python", default=str(default_python) if default_python.exists() else sys.executable,
+                        help="the interpreter that runs the server (default: the project's .venv, else this one)")
     args = parser.parse_args()
+    SERVER_PYTHON.append(args.server_python)
     quiet()
     import vllm
 

@@ -23,10 +23,13 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
     regex psutil msgspec cbor2 cloudpickle "pydantic>=2.12" "fastapi<0.137" "openai>=2.25" partial-json-parser \
     py-cpuinfo einops sentencepiece tiktoken "mistral_common[image]>=1.11.6" opencv-python-headless pyyaml \
     jsonschema "pillow>=13" "aiohttp>=3.14.4" pyzmq requests tqdm protobuf filelock watchfiles \
-    python-json-logger prometheus-fastapi-instrumentator setproctitle ijson oss-harmony
+    python-json-logger prometheus-fastapi-instrumentator setproctitle ijson oss-harmony xgrammar llguidance
 # This server's own dependencies (pyproject.toml), so the script can start it from the same venv.
 "${PIP[@]}" "uvicorn>=0.29" "httptools>=0.6" "uvloop>=0.19" "orjson>=3.9" "numpy>=1.26" "prometheus_client>=0.20" \
     "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "av>=12"
+# vLLM's GLM-4.1V module imports its compressed-tensors quantization layer (pinned 0.17.0).
+"${PIP[@]}" --no-deps compressed-tensors==0.17.0
+"${PIP[@]}" loguru
 "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -e "$ROOT"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
 import vllm
