@@ -366,10 +366,22 @@ def build_internvl(folder: Path) -> Path:
 
 
 def build_grid_family(model_type: str, folder: Path) -> Path:
+    from transformers import AutoTokenizer
+
     from tests.vlm_fixtures import build_model, write_processor_files
 
     build_model(model_type, 5).save_pretrained(folder)
-    return write_processor_files(folder, model_type, "nested")
+    folder = write_processor_files(folder, model_type, "nested")
+    if model_type == "glm4v":
+        # vLLM builds GLM-4V's prompt from the config's token ids: point them at the tiny tokenizer's tokens.
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        for key, token in (("image_token_id", "<|image|>"), ("video_token_id", "<|video|>"),
+                           ("image_start_token_id", "<|begin_of_image|>"), ("image_end_token_id", "<|end_of_image|>"),
+                           ("video_start_token_id", "<|begin_of_video|>"), ("video_end_token_id", "<|end_of_video|>")):
+            config[key] = tokenizer.convert_tokens_to_ids(token)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def build_other(name: str, folder: Path) -> Path:
@@ -377,7 +389,13 @@ def build_other(name: str, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     if name == "gemma3":
+        from transformers import AutoTokenizer
+
         other.gemma3_checkpoint(folder)
+        # vLLM's Gemma 3 processor looks up the newline runs Gemma's real tokenizer has as single tokens.
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])
+        tokenizer.save_pretrained(folder)
     elif name == "llava_onevision":
         # vLLM 0.33 packs (and counts) LLaVA-OneVision rows with anyres_max_9 whatever the checkpoint says,
         # as every released checkpoint says; the fixture's anyres_max_2 is set to that (the producer refuses
