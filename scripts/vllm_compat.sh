@@ -6,8 +6,8 @@
 # ECExampleConnector asks for. Versions are the ones the checks were run with.
 #
 #   scripts/vllm_compat.sh [VENV]             # default VENV: .vllm-venv in the repository (gitignored)
-#   VENV/bin/python scripts/vllm_compat.py
-#   VENV/bin/python scripts/vllm_golden.py check
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python scripts/vllm_compat.py      # runs the server from .venv
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python scripts/vllm_golden.py check
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
