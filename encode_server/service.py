@@ -161,6 +161,11 @@ class EncoderService:
                                 clock=self.clock, costs=self.costs)
 
     @property
+    def media_pool(self) -> PriorityThreadPool:
+        """The threads that decode media (by priority), for producers that decode items themselves."""
+        return self._media_pool
+
+    @property
     def pending(self) -> int:
         return self.admission.pending
 
@@ -223,6 +228,32 @@ class EncoderService:
             self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
                                             sum(part.cached))
             return response
+
+    async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
+        """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
+        like any `/encode` request (batched with them), and return their rows instead of delivering them:
+        the entry point of producers that store rows themselves (the vLLM producer). `EncodeError` on failure."""
+        request = EncodeRequest(req_id=req_id, modality=modality, mm_items=items, priority=priority)
+        meta = PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality)
+        with self.admission.admit(request) as ticket:
+            try:
+                part = await asyncio.wait_for(self._encode_items(meta, items, ticket.deadline, priority=priority),
+                                              ticket.timeout_s)
+            except asyncio.TimeoutError:
+                ticket.status = "504"
+                raise EncodeError(504, f"request timed out after {ticket.timeout_s:g} s", req_id) from None
+            except EncodeError as error:
+                if error.status == 500 and self.admission.broken:
+                    error = EncodeError(503, self.admission.broken, req_id, headers={"Retry-After": "5"})
+                ticket.status = str(error.status)
+                raise error from None
+            except asyncio.CancelledError:
+                ticket.status = "cancelled"
+                raise
+            ticket.status = "200"
+            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
+                                            sum(part.cached))
+            return part
 
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:

@@ -19,6 +19,7 @@ LAYERS = [
     {"preprocessing"},
     {"engine", "cache", "admission", "responses"},
     {"service"},
+    {"vllm_producer"},
     {"http", "receiver"},
     {"__main__"},
     {"bench"},

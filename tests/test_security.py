@@ -370,6 +370,7 @@ def test_api_key_guards_every_endpoint_but_health():
         for path in ("/server_info", "/metrics", "/v1/performance", "/openapi.json", "/docs"):
             assert httpx.get(server.url + path).status_code == 401, path
         assert httpx.post(server.url + "/scheduler_receive_url", json={}).status_code == 401
+        assert httpx.post(server.url + "/v1/chat/completions", json={}).status_code == 401
         auth = {"Authorization": "Bearer s3cret"}
         assert httpx.post(server.url + "/encode", json=body, headers=auth).status_code == 200
         assert httpx.get(server.url + "/metrics", headers={"Authorization": "bearer s3cret"}).status_code == 200

@@ -29,8 +29,9 @@ class ServerProcess:
     """`python -m encode_server` in a subprocess on a free port; stopped on exit."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 120.0,
-                 module: str = "encode_server") -> None:
+                 module: str = "encode_server", python: str | None = None) -> None:
         self.port = free_port()
+        self.python = python or sys.executable  # another interpreter: a server from another environment
         self.url = f"http://127.0.0.1:{self.port}"
         self.module = module
         self.args = ["--port", str(self.port), "--log-level", "warning", *args]
@@ -43,7 +44,7 @@ class ServerProcess:
         log = tempfile.NamedTemporaryFile("w+", prefix="encode-server-", suffix=".log", delete=False)
         self.log_path = Path(log.name)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
+            [self.python, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         )
         ready, ready_line_seen = threading.Event(), threading.Event()

@@ -38,7 +38,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class MediaSource:
-    """Where one item's bytes come from: `url`, `base64`, `data_uri` or `frames` (a list of sources)."""
+    """Where one item's bytes come from: `url`, `base64`, `data_uri`, `file`, `bytes` (already in memory) or
+    `frames` (a list of sources)."""
 
     kind: str
     value: Any
@@ -70,6 +71,10 @@ def _parse_string(text: str, location: str) -> MediaSource:
 def parse_item(raw: Any, index: int, modality: str) -> MediaSource:
     """Check one item's shape (no I/O, no decoding) and say where its bytes come from."""
     location = f"mm_items[{index}]"
+    if isinstance(raw, bytes):  # from inside the server (the vLLM producer), never from a JSON body
+        if not raw:
+            raise MediaError(location, "empty item")
+        return MediaSource("bytes", raw, location)
     if isinstance(raw, str):
         return _parse_string(raw, location)
     if not isinstance(raw, dict):
@@ -287,6 +292,10 @@ class MediaLoader:
                                                   auto_decompress=False)
         return self._session
 
+    async def fetch(self, url: str, location: str, modality: str) -> bytes:
+        """The body of an http(s) URL, through the URL guard and within the fetch limits."""
+        return await self._fetch(url, location, modality)
+
     async def _fetch(self, url: str, location: str, modality: str) -> bytes:
         try:
             async with self._client().get(url, max_redirects=5) as response:
@@ -319,6 +328,8 @@ class MediaLoader:
     def _bytes_of(self, raw: bytes | MediaSource) -> bytes:
         if isinstance(raw, bytes):
             return raw
+        if raw.kind == "bytes":
+            return raw.value
         if raw.kind == "file":
             return self._read_local(raw)
         if raw.kind == "data_uri":

@@ -251,6 +251,10 @@ class ServerMetrics:
         """Export an `cache.embedding_cache.EmbeddingCache`'s counters, read from it at every scrape."""
         self.registry.register(CacheCollector(cache))
 
+    def watch_ec_storage(self, storage) -> None:
+        """Export a `delivery.ec_storage.ECStorage`'s files, bytes and counters, read at every scrape."""
+        self.registry.register(ECStorageCollector(storage))
+
 
 class CacheCollector(Collector):
     """The embedding cache's counters as Prometheus series, read at scrape time (no double bookkeeping)."""
@@ -272,3 +276,24 @@ class CacheCollector(Collector):
         yield GaugeMetricFamily("encoder_cache_bytes", "Bytes the embedding cache holds (rows plus per-entry overhead)",
                                 value=self.cache.bytes_held)
         yield GaugeMetricFamily("encoder_cache_entries", "Items the embedding cache holds", value=len(self.cache))
+
+
+class ECStorageCollector(Collector):
+    """The vLLM producer's storage (`--ec-storage`) as Prometheus series, read at scrape time."""
+
+    def __init__(self, storage) -> None:
+        self.storage = storage
+
+    def collect(self):
+        stats = self.storage.stats
+        yield GaugeMetricFamily("encoder_ec_storage_files", "Items in the vLLM EC storage (--ec-storage)",
+                                value=self.storage.files)
+        yield GaugeMetricFamily("encoder_ec_storage_bytes", "Bytes of the items in the vLLM EC storage",
+                                value=self.storage.bytes_held)
+        yield CounterMetricFamily("encoder_ec_storage_writes_total", "Items encoded and written to the EC storage",
+                                  value=stats.writes)
+        yield CounterMetricFamily("encoder_ec_storage_hits_total", "Items found in the EC storage, not encoded again",
+                                  value=stats.hits)
+        yield CounterMetricFamily("encoder_ec_storage_evictions_total",
+                                  "Items deleted to keep the EC storage within --ec-storage-bytes",
+                                  value=stats.evictions)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from encode_server.ops.memory import parse_cache_bytes
+from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
 from processors.dtypes import DTYPES
 
@@ -160,6 +160,21 @@ OPTIONS: tuple[Option, ...] = (
            "how often to check whether the server went idle; then Python's full garbage collection runs and freed "
            "heap memory goes back to the system (malloc_trim); under unbroken load every 300 s "
            "(0: never, and Python collects on its own schedule)"),
+    Option("--ec-storage", str, None,
+           "vLLM producer: the folder vLLM's ECExampleConnector reads (its shared_storage_path); turns on "
+           "POST /v1/chat/completions, which writes each item's rows to PATH/<identifier>/encoder_cache.safetensors "
+           "(docs/DEPLOYMENT.md, Using it with vLLM)"),
+    Option("--ec-model-id", str, None,
+           "vLLM producer: the consumer's --model string, which goes into every item's identifier "
+           "(default: this server's --model)"),
+    Option("--ec-hash-algorithm", str, "blake3",
+           "vLLM producer: the consumer's --mm-hasher-algorithm", choices=("blake3", "sha256", "sha512")),
+    Option("--ec-storage-bytes", parse_byte_size, 0,
+           "vLLM producer: bound of the storage in bytes (e.g. 20GiB); the items least recently written or hit "
+           "are deleted beyond it; 0: no bound"),
+    Option("--ec-storage-min-age-s", float, 600.0,
+           "vLLM producer: an item written or hit less than this long ago is never deleted, whatever the bound "
+           "(a consumer may be about to load it)"),
 )
 
 
@@ -212,6 +227,11 @@ class Settings:
     keep_alive_timeout_s: float = DEFAULTS["keep_alive_timeout_s"]
     malloc_arena_max: int = DEFAULTS["malloc_arena_max"]
     housekeeping_interval_s: float = DEFAULTS["housekeeping_interval_s"]
+    ec_storage: str | None = DEFAULTS["ec_storage"]
+    ec_model_id: str | None = DEFAULTS["ec_model_id"]
+    ec_hash_algorithm: str = DEFAULTS["ec_hash_algorithm"]
+    ec_storage_bytes: int = DEFAULTS["ec_storage_bytes"]
+    ec_storage_min_age_s: float = DEFAULTS["ec_storage_min_age_s"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -246,9 +266,20 @@ class Settings:
         if self.wire_format not in ("native", "sglang"):
             raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
         check_class_path(self.sglang_embedding_class)
+        if self.ec_hash_algorithm not in ("blake3", "sha256", "sha512"):
+            raise ValueError(f"--ec-hash-algorithm must be blake3, sha256 or sha512, got {self.ec_hash_algorithm!r}")
+        if self.ec_storage_bytes < 0 or self.ec_storage_min_age_s < 0:
+            raise ValueError("--ec-storage-bytes and --ec-storage-min-age-s must not be negative")
+        if self.ec_storage is not None and not self.ec_storage.strip():
+            raise ValueError("--ec-storage must name a folder")
         if self.register_with:
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
+
+    @property
+    def ec_identifier_model(self) -> str:
+        """The model string in vLLM identifiers: `--ec-model-id`, else `--model`."""
+        return self.ec_model_id or self.model
 
     @property
     def adaptive_wait(self) -> bool:

@@ -1,0 +1,663 @@
+"""Drive this encoder as vLLM 0.33.0's encoder instance ("E") with vLLM's own, unchanged code, and print tables.
+
+Runs in the side venv that `scripts/vllm_compat.sh` builds (vLLM 0.33.0 without its GPU kernels, what its
+hasher, media loader, chat parsing, multimodal processors and ECExampleConnector import, and this server's
+dependencies), from the repository root:
+
+    VLLM_TARGET_DEVICE=cpu .vllm-venv/bin/python scripts/vllm_compat.py [--families all|qwen2_5_vl,...]
+
+For each family it builds a tiny full checkpoint folder (language model, full processor and a tiny
+tokenizer, as the parity tests do), starts this server on it with `--ec-storage` (loopback only), and
+plays vLLM's EPD roles against it:
+
+- the proxy: one `POST /v1/chat/completions` per media item, the user's body with `max_tokens` 1 and
+  `stream` false, header `x-request-id`, failing on any non-200 (`disagg_epd_proxy.py`'s fan-out);
+- the consumer (`--model <folder>`, `--ec-transfer-config` ECExampleConnector/ec_consumer): vLLM's chat
+  parsing (`parse_chat_messages`: its media connector fetches and decodes the items), its multimodal
+  processor (`apply`: the items' `mm_hash` identifiers and placeholder ranges), a real `Request` built
+  from them as the engine builds it, and the connector's scheduler side (`has_cache_item`,
+  `update_state_after_alloc`, `build_connector_meta`) and worker side (`bind_connector_metadata`,
+  `start_load_caches` into an encoder cache dict).
+
+Every loaded tensor must have exactly the rows of vLLM's placeholder (`get_num_embeds`) and be
+bit-identical to this server's native `/encode` rows for the pixels vLLM decoded (sent as a lossless
+PNG). Qwen2.5-VL also runs the scenarios: http images (from a loopback server), an EXIF-rotated JPEG, a
+transparent PNG, a uuid part, a corrupt image (4xx naming it, nothing written), a repeated image and a
+file vLLM's own producer wrote (`save_caches`; no second encode), 16 concurrent requests (while a
+reader opens every file that appears: never a partial one), and the storage bound (evictions, oldest
+first). Not run by CI (the install is several GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import copy
+import http.server
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULTS: list[tuple[str, bool, str]] = []
+FAMILY_ROWS: list[tuple[str, str, str, str, str]] = []
+
+
+def record(step: str, ok: bool, detail: str = "") -> bool:
+    RESULTS.append((step, ok, detail))
+    print(f"[{'PASS' if ok else 'FAIL'}] {step}" + (f": {detail}" if detail else ""), flush=True)
+    return ok
+
+
+def quiet() -> None:
+    warnings.filterwarnings("ignore")
+    import logging
+
+    for name in ("vllm", "transformers", "httpx", "urllib3"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+# --- media ---------------------------------------------------------------------------------------
+
+
+def random_png(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, mode).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def rotated_jpeg(width: int, height: int, seed: int) -> bytes:
+    """A JPEG stored sideways with EXIF orientation 6 (display rotated 90 degrees clockwise)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=90, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_part(url: str, part_uuid: str | None = None) -> dict:
+    part = {"type": "image_url", "image_url": {"url": url}}
+    if part_uuid is not None:
+        part["uuid"] = part_uuid
+    return part
+
+
+def chat_body(model: str, parts: list[dict]) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": [*parts, {"type": "text",
+                                                                                "text": "describe this"}]}]}
+
+
+class MediaServer:
+    """Serves files from a dict on 127.0.0.1 (the http images both sides fetch)."""
+
+    def __init__(self, files: dict[str, tuple[bytes, str]]) -> None:
+        files_ = files
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                body, mime = files_.get(self.path, (None, None))
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", mime)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+# --- the proxy -------------------------------------------------------------------------------------
+
+
+async def proxy_fanout(e_url: str, body: dict, request_id: str) -> list[tuple[int, dict]]:
+    """disagg_epd_proxy.py's encoder step: one request per media item (text removed), max_tokens 1, not
+    streamed, header x-request-id; the proxy fails the whole request unless every answer is a 200."""
+    import aiohttp
+
+    items = [part for message in body["messages"] if isinstance(message.get("content"), list)
+             for part in message["content"] if part.get("type") in ("image_url", "audio_url", "input_audio")]
+
+    async def one(session, item):
+        request = copy.deepcopy(body)
+        request["messages"] = [{"role": "user", "content": [item]}]
+        request["max_tokens"] = 1
+        request["stream"] = False
+        request.pop("stream_options", None)
+        async with session.post(f"{e_url}/v1/chat/completions", json=request,
+                                headers={"x-request-id": request_id}) as response:
+            return response.status, await response.json()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        return await asyncio.gather(*(one(session, item) for item in items))
+
+
+def fanout(e_url: str, body: dict, request_id: str | None = None) -> list[tuple[int, dict]]:
+    return asyncio.run(proxy_fanout(e_url, body, request_id or uuid.uuid4().hex))
+
+
+# --- the consumer ----------------------------------------------------------------------------------
+
+
+class Consumer:
+    """A vLLM consumer's multimodal front and EC connector, for one model folder and one storage."""
+
+    def __init__(self, folder: Path, storage: Path, algorithm: str = "blake3") -> None:
+        from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+
+        self.model = str(folder)
+        self.model_config = ModelConfig(model=self.model, tokenizer=self.model, dtype="float32", max_model_len=4096,
+                                        mm_hasher_algorithm=algorithm)
+        self.processor = MULTIMODAL_REGISTRY.create_processor(self.model_config)
+        transfer = ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_consumer",
+                                    ec_connector_extra_config={"shared_storage_path": str(storage)})
+        self.vllm_config = VllmConfig(model_config=self.model_config, ec_transfer_config=transfer)
+        self.scheduler_side = ECExampleConnector(self.vllm_config, ECConnectorRole.SCHEDULER)
+        self.worker_side = ECExampleConnector(self.vllm_config, ECConnectorRole.WORKER)
+        self.producer_config = VllmConfig(model_config=self.model_config, ec_transfer_config=ECTransferConfig(
+            ec_connector="ECExampleConnector", ec_role="ec_producer",
+            ec_connector_extra_config={"shared_storage_path": str(storage)}))
+
+    def parse(self, body: dict):
+        """vLLM's chat parsing: the items as its media connector loads them, and the parts' uuids."""
+        from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+
+        _conversation, mm_data, mm_uuids = parse_chat_messages(body["messages"], self.model_config, "string")
+        return mm_data, mm_uuids
+
+    def process(self, mm_data, mm_uuids):
+        """vLLM's multimodal processor on those items: identifiers and placeholder ranges."""
+        from vllm.multimodal.parse import parse_mm_uuids
+        from vllm.multimodal.processing.context import TimingContext
+        from vllm.multimodal.processing.inputs import ProcessorInputs
+
+        counts = {modality: len(items) if isinstance(items, list) else 1 for modality, items in mm_data.items()}
+        text = self.processor.dummy_inputs.get_dummy_text(counts)
+        prompt = self.processor.info.get_tokenizer().encode(text)
+        inputs = ProcessorInputs(prompt, self.processor.info.parse_mm_data(mm_data), parse_mm_uuids(mm_uuids))
+        return self.processor.apply(inputs, TimingContext(enabled=False))
+
+    def load(self, processed) -> tuple[list, dict]:
+        """The connector's path: a Request as the engine builds it, has_cache_item and
+        update_state_after_alloc per item, build_connector_meta, then the worker's start_load_caches."""
+        from vllm import SamplingParams
+        from vllm.multimodal.inputs import MultiModalFeatureSpec
+        from vllm.v1.request import Request
+
+        features = []
+        for modality, hashes in processed["mm_hashes"].items():
+            for index, mm_hash in enumerate(hashes):
+                features.append(MultiModalFeatureSpec(data=None, modality=modality, identifier=mm_hash,
+                                                      mm_position=processed["mm_placeholders"][modality][index],
+                                                      mm_hash=mm_hash))
+        features.sort(key=lambda feature: feature.mm_position.offset)
+        request = Request(f"compat-{uuid.uuid4().hex[:8]}", processed["prompt_token_ids"],
+                          SamplingParams(max_tokens=1), None, mm_features=features)
+        for index, feature in enumerate(features):
+            if self.scheduler_side.has_cache_item(feature.identifier):
+                self.scheduler_side.update_state_after_alloc(request, index)
+        meta = self.scheduler_side.build_connector_meta(None)  # ECExampleConnector does not read it
+        self.worker_side.bind_connector_metadata(meta)
+        encoder_cache: dict = {}
+        self.worker_side.start_load_caches(encoder_cache)
+        self.worker_side.clear_connector_metadata()
+        return features, encoder_cache
+
+    def identifiers(self, body: dict) -> list[str]:
+        mm_data, mm_uuids = self.parse(body)
+        return [h for hashes in self.process(mm_data, mm_uuids)["mm_hashes"].values() for h in hashes]
+
+    def vllm_producer_save(self, identifier: str, rows) -> None:
+        """vLLM's own producer writing an item (ECExampleConnector.save_caches, ec_producer role)."""
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+        ECExampleConnector(self.producer_config, ECConnectorRole.WORKER).save_caches({identifier: rows}, identifier)
+
+
+# --- our side --------------------------------------------------------------------------------------
+
+
+def native_rows(url: str, image) -> object:
+    """This server's native /encode rows for a PIL image, sent as a lossless PNG."""
+    import httpx
+    import numpy as np
+    import torch
+
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, "PNG")
+    response = httpx.post(f"{url}/encode", json={"req_id": f"ref-{uuid.uuid4().hex[:8]}", "modality": "image",
+                                                 "mm_items": [base64.b64encode(buffer.getvalue()).decode()],
+                                                 "return_embedding": True}, timeout=120).json()
+    dtype = {"float32": np.float32, "float16": np.float16}.get(response["dtype"])
+    raw = base64.b64decode(response["embedding"])
+    if response["dtype"] == "bfloat16":
+        return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).reshape(response["embedding_shape"])
+    return torch.from_numpy(np.frombuffer(raw, dtype=dtype).reshape(response["embedding_shape"]).copy())
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+#: The interpreter the server runs in (`--server-python`): by default the project's own environment, as a
+#: deployment runs it beside vLLM (whose transformers pin may be older than the project's).
+SERVER_PYTHON: list[str] = []
+
+
+def start_server(folder: Path, storage: Path, *extra: str):
+    from tests.helpers import ServerProcess
+
+    return ServerProcess("--model", str(folder), "--ec-storage", str(storage), "--allow-private-urls", "true",
+                         "--cache-bytes", "0", *extra, startup_timeout=300, python=SERVER_PYTHON[0])
+
+
+def check_round_trip(consumer: Consumer, server_url: str, body: dict, step: str,
+                     expect_ids: list[str] | None = None) -> tuple[bool, list[int], list[int]]:
+    """Proxy fan-out, then vLLM's consumer loads every item; rows equal to our native rows bit for bit.
+    Returns (ok, vLLM's placeholder counts, our row counts)."""
+    import torch
+
+    answers = fanout(server_url, body)
+    if not all(status == 200 and answer.get("object") == "chat.completion" for status, answer in answers):
+        record(step, False, f"encoder answers {[(s, str(a)[:200]) for s, a in answers]}")
+        return False, [], []
+    mm_data, mm_uuids = consumer.parse(body)
+    processed = consumer.process(mm_data, mm_uuids)
+    features, loaded = consumer.load(processed)
+    images = mm_data["image"] if isinstance(mm_data["image"], list) else [mm_data["image"]]
+    placeholder_counts = [feature.mm_position.get_num_embeds() for feature in features]
+    ours, problems = [], []
+    for feature, image in zip(features, images):
+        tensor = loaded.get(feature.identifier)
+        if tensor is None:
+            problems.append(f"{feature.identifier[:16]} not loaded (has_cache_item false)")
+            continue
+        ours.append(int(tensor.shape[0]))
+        reference = native_rows(server_url, getattr(image, "media", image))
+        if tensor.shape[0] != feature.mm_position.get_num_embeds():
+            problems.append(f"{tensor.shape[0]} rows for {feature.mm_position.get_num_embeds()} placeholders")
+        elif tensor.dtype != reference.dtype or not torch.equal(tensor, reference):
+            problems.append(f"rows differ from native /encode ({tensor.dtype} {tuple(tensor.shape)} vs "
+                            f"{reference.dtype} {tuple(reference.shape)})")
+    if expect_ids is not None and [f.identifier for f in features] != expect_ids:
+        problems.append(f"identifiers {[f.identifier for f in features]} != {expect_ids}")
+    stored = [item["identifier"] for _, answer in answers for item in answer["encoder_cache"]]
+    if sorted(stored) != sorted(f.identifier for f in features):
+        problems.append(f"our identifiers {stored} != vLLM's {[f.identifier for f in features]}")
+    ok = record(step, not problems, "; ".join(problems) or f"{len(features)} items, rows {placeholder_counts}, "
+                                                          f"identifiers {[f.identifier[:12] for f in features]}")
+    return ok, placeholder_counts, ours
+
+
+# --- the families ----------------------------------------------------------------------------------
+
+
+def build_qwen_family(name: str, folder: Path) -> Path:
+    from scripts.reference_prefill_counts import PROCESSOR_FILES, qwen_full_processor
+    from tests.checkpoints import qwen2_vl_checkpoint, qwen25_vl_checkpoint
+
+    build, processor_class, video = {
+        "qwen2_5_vl": (qwen25_vl_checkpoint, "Qwen2_5_VLProcessor", {"min_pixels": 28 * 28 * 8,
+                                                                      "max_pixels": 28 * 28 * 48}),
+        "qwen2_vl": (qwen2_vl_checkpoint, "Qwen2VLProcessor", {"min_pixels": 28 * 28 * 2,
+                                                               "max_pixels": 28 * 28 * 256}),
+    }[name]
+    _model, image_processor, folder = build(folder)
+    for file in PROCESSOR_FILES:
+        (folder / file).unlink(missing_ok=True)
+    qwen_full_processor(processor_class, image_processor, video).save_pretrained(folder)
+    return folder
+
+
+def build_internvl(folder: Path) -> Path:
+    from scripts.reference_prefill_counts import PROCESSOR_FILES, internvl_full_processor
+    from tests.checkpoints import internvl_checkpoint
+
+    model, image_processor, folder = internvl_checkpoint(folder)
+    for file in PROCESSOR_FILES:
+        (folder / file).unlink(missing_ok=True)
+    internvl_full_processor(model, image_processor).save_pretrained(folder)
+    return folder
+
+
+def build_grid_family(model_type: str, folder: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from tests.vlm_fixtures import build_model, write_processor_files
+
+    build_model(model_type, 5).save_pretrained(folder)
+    folder = write_processor_files(folder, model_type, "nested")
+    if model_type == "glm4v":
+        # vLLM builds GLM-4V's prompt from the config's token ids: point them at the tiny tokenizer's tokens.
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        for key, token in (("image_token_id", "<|image|>"), ("video_token_id", "<|video|>"),
+                           ("image_start_token_id", "<|begin_of_image|>"), ("image_end_token_id", "<|end_of_image|>"),
+                           ("video_start_token_id", "<|begin_of_video|>"), ("video_end_token_id", "<|end_of_video|>")):
+            config[key] = tokenizer.convert_tokens_to_ids(token)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def build_other(name: str, folder: Path) -> Path:
+    from tests import other_family_checkpoints as other
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "gemma3":
+        from transformers import AutoTokenizer
+
+        other.gemma3_checkpoint(folder)
+        # vLLM's Gemma 3 processor looks up the newline runs Gemma's real tokenizer has as single tokens.
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])
+        tokenizer.save_pretrained(folder)
+    elif name == "llava_onevision":
+        # vLLM 0.33 packs (and counts) LLaVA-OneVision rows with anyres_max_9 whatever the checkpoint says,
+        # as every released checkpoint says; the fixture's anyres_max_2 is set to that (the producer refuses
+        # other values at start-up: see vllm_producer.check_vllm_layout).
+        other.llava_onevision_checkpoint(folder)
+        for file in ("config.json", "processor_config.json"):
+            settings = json.loads((folder / file).read_text())
+            settings["vision_aspect_ratio"] = "anyres_max_9"
+            (folder / file).write_text(json.dumps(settings))
+    elif name == "mistral3":
+        other.mistral3_checkpoint(folder)
+    return folder
+
+
+FAMILIES = {
+    "qwen2_5_vl": lambda folder: build_qwen_family("qwen2_5_vl", folder),
+    "qwen2_vl": lambda folder: build_qwen_family("qwen2_vl", folder),
+    "qwen3_vl": lambda folder: build_grid_family("qwen3_vl", folder),
+    "glm4v": lambda folder: build_grid_family("glm4v", folder),
+    "internvl": build_internvl,
+    "gemma3": lambda folder: build_other("gemma3", folder),
+    "llava_onevision": lambda folder: build_other("llava_onevision", folder),
+    "mistral3": lambda folder: build_other("mistral3", folder),
+}
+#: Families we serve that this producer does not store (it stores image items).
+NOT_APPLICABLE = {"qwen2_audio": "audio only: the producer stores image_url items",
+                  "generic": "any model transformers can count; no vLLM model class is fixed for it"}
+
+
+def family_check(name: str, work: Path) -> None:
+    """Two images of different sizes through proxy, server and consumer; the family's table row."""
+    folder = work / name
+    storage = work / f"ec-{name}"
+    try:
+        folder = FAMILIES[name](folder)
+        consumer = Consumer(folder, storage)
+    except Exception as exc:
+        traceback.print_exc()
+        record(f"{name}: vLLM consumer set-up", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+        FAMILY_ROWS.append((name, "-", "-", "-", f"FAIL: vLLM could not set up ({type(exc).__name__})"))
+        return
+    images = [random_png(90, 60, 11), random_png(41, 130, 12)]
+    try:
+        with start_server(folder, storage) as server:
+            body = chat_body(consumer.model, [image_part(data_url(image)) for image in images])
+            ok, theirs, ours = check_round_trip(consumer, server.url, body, f"{name}: proxy, store, consumer load")
+    except Exception as exc:
+        traceback.print_exc()
+        ok, theirs, ours = record(f"{name}: round trip", False, f"{type(exc).__name__}: {str(exc)[:300]}"), [], []
+    FAMILY_ROWS.append((name, type(consumer.processor).__name__, str(theirs), str(ours),
+                        "PASS: loaded rows equal native /encode bit for bit" if ok else "FAIL"))
+
+
+# --- the Qwen2.5-VL scenarios ----------------------------------------------------------------------
+
+
+def storage_files(storage: Path) -> list[str]:
+    return sorted(str(path.relative_to(storage)) for path in storage.rglob("*") if path.is_file())
+
+
+def scenarios(work: Path) -> None:
+    import httpx
+    import torch
+
+    folder = build_qwen_family("qwen2_5_vl", work / "scenarios-qwen2_5_vl")
+    storage = work / "ec-scenarios"
+    consumer = Consumer(folder, storage)
+    model = consumer.model
+    media = MediaServer({"/cat.png": (random_png(120, 80, 21), "image/png"),
+                         "/rotated.jpg": (rotated_jpeg(96, 40, 22), "image/jpeg")})
+    try:
+        with start_server(folder, storage) as server:
+            url = server.url
+            check_round_trip(consumer, url, chat_body(model, [image_part(f"{media.url}/cat.png")]),
+                             "http image from a loopback server")
+            check_round_trip(consumer, url, chat_body(model, [image_part(data_url(rotated_jpeg(96, 40, 23),
+                                                                                  "image/jpeg"))]),
+                             "EXIF-rotated JPEG (data: URL)")
+            check_round_trip(consumer, url, chat_body(model, [image_part(f"{media.url}/rotated.jpg")]),
+                             "EXIF-rotated JPEG (http)")
+            check_round_trip(consumer, url, chat_body(model, [image_part(data_url(random_png(70, 50, 24, "RGBA")))]),
+                             "transparent PNG (composited on white, io_config in the hash)")
+            check_round_trip(consumer, url, chat_body(model, [image_part(data_url(random_png(60, 60, 25)),
+                                                                         "compat-item-1")]),
+                             "uuid part (identifier is the uuid)", expect_ids=["compat-item-1"])
+
+            # A corrupt image: our 4xx names it, nothing is written; vLLM's own parsing refuses it too.
+            before = storage_files(storage)
+            bad = chat_body(model, [image_part(data_url(b"\x89PNG broken"))])
+            answers = fanout(url, bad)
+            status, answer = answers[0]
+            message = answer.get("error", {}).get("message", "")
+            try:
+                consumer.parse(bad)
+                vllm_refused = "vLLM parsed it"
+            except Exception as exc:
+                vllm_refused = f"vLLM refuses it too ({type(exc).__name__})"
+            record("corrupt image: 4xx naming the part, nothing written",
+                   400 <= status < 500 and "messages[0].content[0]" in message and storage_files(storage) == before,
+                   f"{status} {message!r}; {vllm_refused}")
+
+            # A repeated image is a hit: no second encode, no second write.
+            repeated = chat_body(model, [image_part(data_url(random_png(64, 64, 26)))])
+            check_round_trip(consumer, url, repeated, "first sending of an image")
+            writes, hits = metric(url, "encoder_ec_storage_writes_total"), metric(url, "encoder_ec_storage_hits_total")
+            forwards = metric(url, "encoder_batch_size_count")
+            answers = fanout(url, repeated)
+            record("repeated image: a hit, not encoded again",
+                   answers[0][0] == 200 and answers[0][1]["encoder_cache"][0]["hit"]
+                   and metric(url, "encoder_ec_storage_writes_total") == writes
+                   and metric(url, "encoder_ec_storage_hits_total") == hits + 1
+                   and metric(url, "encoder_batch_size_count") == forwards,
+                   f"writes {writes:g} -> {metric(url, 'encoder_ec_storage_writes_total'):g}, hits {hits:g} -> "
+                   f"{metric(url, 'encoder_ec_storage_hits_total'):g}")
+
+            # A file vLLM's own producer wrote (save_caches) is a hit too, and the consumer loads it.
+            theirs = chat_body(model, [image_part(data_url(random_png(50, 70, 27)))])
+            identifier = consumer.identifiers(theirs)[0]
+            mm_data, _ = consumer.parse(theirs)
+            rows = native_rows(url, mm_data["image"][0].media)
+            consumer.vllm_producer_save(identifier, rows)
+            writes = metric(url, "encoder_ec_storage_writes_total")
+            answers = fanout(url, theirs)
+            _, loaded = consumer.load(consumer.process(*consumer.parse(theirs)))
+            record("a file vLLM's own producer wrote: a hit, not encoded again",
+                   answers[0][0] == 200 and answers[0][1]["encoder_cache"][0]["hit"]
+                   and metric(url, "encoder_ec_storage_writes_total") == writes
+                   and identifier in loaded and torch.equal(loaded[identifier], rows),
+                   f"identifier {identifier[:16]}")
+
+            concurrent(consumer, url, storage, model)
+            record("no temporary file left in the storage", not any(".tmp" in name for name in storage_files(storage)),
+                   f"{len(storage_files(storage))} files")
+            print(httpx.get(f"{url}/metrics").text.count("encoder_ec_storage"), "EC storage series exported")
+        bounded(consumer, folder, work)
+    finally:
+        media.close()
+
+
+def concurrent(consumer: Consumer, url: str, storage: Path, model: str) -> None:
+    """16 requests at once (distinct images) while a reader opens every file as soon as it appears."""
+    from safetensors.torch import load_file
+
+    stop = threading.Event()
+    seen, broken = set(), []
+
+    def reader():
+        while not stop.is_set():
+            for path in storage.glob("*/encoder_cache.safetensors"):
+                if path in seen:
+                    continue
+                try:
+                    load_file(str(path))["ec_cache"]
+                    seen.add(path)
+                except FileNotFoundError:
+                    pass
+                except Exception as exc:
+                    broken.append(f"{path.parent.name[:12]}: {exc}")
+                    seen.add(path)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    bodies = [chat_body(model, [image_part(data_url(random_png(40 + 7 * i, 90 - 3 * i, 100 + i)))]) for i in range(16)]
+    batches_before = metric(url, "encoder_batch_size_count"), metric(url, "encoder_batch_size_sum")
+
+    async def all_at_once():
+        return await asyncio.gather(*(proxy_fanout(url, body, f"conc-{i}") for i, body in enumerate(bodies)))
+
+    started = time.perf_counter()
+    answers = asyncio.run(all_at_once())
+    elapsed = time.perf_counter() - started
+    stop.set()
+    thread.join()
+    batches = metric(url, "encoder_batch_size_count") - batches_before[0]
+    items = metric(url, "encoder_batch_size_sum") - batches_before[1]
+    ok_answers = all(status == 200 for answer in answers for status, _ in answer)
+    record("16 concurrent requests answered 200", ok_answers,
+           f"{elapsed:.2f} s, {items:g} requests in {batches:g} forwards (mean batch {items / max(batches, 1):.1f})")
+    record("atomic writes: every file a reader saw was whole", not broken, "; ".join(broken[:3]) or
+           f"{len(seen)} files opened as they appeared")
+    failures = []
+    for index, body in enumerate(bodies):
+        mm_data, mm_uuids = consumer.parse(body)
+        features, loaded = consumer.load(consumer.process(mm_data, mm_uuids))
+        reference = native_rows(url, mm_data["image"][0].media)
+        import torch
+
+        if not (features[0].identifier in loaded and torch.equal(loaded[features[0].identifier], reference)):
+            failures.append(index)
+    record("16 concurrent requests: vLLM loads each item's own rows", not failures, f"failed: {failures}" if failures
+           else "16 of 16 bit-identical")
+
+
+def bounded(consumer: Consumer, folder: Path, work: Path) -> None:
+    """A small bound with no minimum age: the oldest items go, the newest stay, the metrics count them."""
+    storage = work / "ec-bounded"
+    images = [random_png(56, 56, 200 + i) for i in range(6)]
+    with start_server(folder, storage, "--ec-storage-bytes", "0", "--ec-storage-min-age-s", "0") as server:
+        fanout(server.url, chat_body(consumer.model, [image_part(data_url(images[0]))]))
+        size = metric(server.url, "encoder_ec_storage_bytes")
+    bound = int(size * 3.5)
+    shutil.rmtree(storage)
+    with start_server(folder, storage, "--ec-storage-bytes", str(bound), "--ec-storage-min-age-s", "0") as server:
+        ids = []
+        for image in images:
+            body = chat_body(consumer.model, [image_part(data_url(image))])
+            status, answer = fanout(server.url, body)[0]
+            ids.append(answer["encoder_cache"][0]["identifier"])
+            time.sleep(0.02)
+        held = metric(server.url, "encoder_ec_storage_bytes")
+        evictions = metric(server.url, "encoder_ec_storage_evictions_total")
+    present = [identifier for identifier in ids if (storage / identifier / "encoder_cache.safetensors").exists()]
+    record("storage bound: within --ec-storage-bytes, oldest evicted first",
+           bool(present) and held <= bound and evictions == len(ids) - len(present) and present == ids[-len(present):],
+           f"bound {bound} B, held {held:g} B, {evictions:g} evictions, kept the newest {len(present)} of {len(ids)}")
+    shutil.rmtree(storage)
+    with start_server(folder, storage, "--ec-storage-bytes", str(bound), "--ec-storage-min-age-s", "600") as server:
+        for image in images:
+            fanout(server.url, chat_body(consumer.model, [image_part(data_url(image))]))
+        evictions = metric(server.url, "encoder_ec_storage_evictions_total")
+        files = metric(server.url, "encoder_ec_storage_files")
+    record("storage bound: nothing younger than --ec-storage-min-age-s is evicted", evictions == 0 and files == 6,
+           f"{files:g} files, {evictions:g} evictions over a bound of {bound} B")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default="all", help="comma-separated families, or all")
+    parser.add_argument("--no-scenarios", action="store_true", help="only the per-family table")
+    default_python = ROOT / ".venv" / "bin" / "python"
+    parser.add_argument("--server-python", default=str(default_python) if default_python.exists() else sys.executable,
+                        help="the interpreter that runs the server (default: the project's .venv, else this one)")
+    args = parser.parse_args()
+    SERVER_PYTHON.append(args.server_python)
+    quiet()
+    import vllm
+
+    names = list(FAMILIES) if args.families == "all" else args.families.split(",")
+    work = Path(tempfile.mkdtemp(prefix="vllm-compat-"))
+    try:
+        if not args.no_scenarios:
+            try:
+                scenarios(work)
+            except Exception as exc:
+                traceback.print_exc()
+                record("Qwen2.5-VL scenarios", False, f"{type(exc).__name__}: {exc}")
+        for name in names:
+            family_check(name, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nvLLM {vllm.__version__}: one row per family (images 90x60 and 41x130)\n")
+    print("| family | vLLM processor | vLLM placeholder rows | rows we stored | loaded by vLLM's ECExampleConnector |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in FAMILY_ROWS:
+        print("| " + " | ".join(row) + " |")
+    for name, why in NOT_APPLICABLE.items():
+        print(f"| {name} | - | - | - | not applicable: {why} |")
+    passed = sum(ok for _, ok, _ in RESULTS)
+    print(f"\n{passed} passed, {len(RESULTS) - passed} failed")
+    return 0 if passed == len(RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

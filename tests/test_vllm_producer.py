@@ -1,0 +1,194 @@
+"""The vLLM producer end to end (`--ec-storage`): `POST /v1/chat/completions` as vLLM's EPD proxy sends it,
+against a real server on loopback. What vLLM itself computes is checked in `tests/test_vllm_identifiers.py`
+(identifiers, pixels) and by `scripts/vllm_compat.py` (vLLM's consumer loading what we wrote)."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import http.server
+import io
+import threading
+from pathlib import Path
+
+import httpx
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from encode_server.delivery.vllm_hash import EncodedImage, image_identifier
+from encode_server.media.vllm_images import decode_vllm_image
+from tests.helpers import ServerProcess, decode_embedding, png_bytes
+
+GOLDEN = Path(__file__).parent / "golden" / "vllm-images"
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def proxy_body(*parts: dict) -> dict:
+    """What disagg_epd_proxy.py sends its encoder: the user's body, max_tokens 1, not streamed."""
+    return {"model": "Qwen/Qwen2.5-VL-3B-Instruct", "max_tokens": 1, "stream": False,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "what is this?"}]}]}
+
+
+def image_part(url: str, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}, **extra}
+
+
+def post(server, body, request_id: str = "req-1") -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"x-request-id": request_id},
+                      timeout=60)
+
+
+def stored(storage: Path) -> list[str]:
+    return sorted(str(path.relative_to(storage)) for path in storage.rglob("*") if path.is_file())
+
+
+def native_rows(server, image: Image.Image) -> torch.Tensor:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    response = httpx.post(f"{server.url}/encode", json={
+        "req_id": "reference", "modality": "image", "mm_items": [base64.b64encode(buffer.getvalue()).decode()],
+        "return_embedding": True}, timeout=60).json()
+    return torch.from_numpy(decode_embedding(response).copy())
+
+
+def test_proxy_requests_store_vllms_identifiers_and_rows(tmp_path):
+    storage = tmp_path / "ec"
+    transparent = (GOLDEN / "rgba.png").read_bytes()
+    rotated = (GOLDEN / "exif6.jpg").read_bytes()
+    plain = png_bytes(64, 48, 3)
+    with ServerProcess("--ec-storage", str(storage), "--ec-model-id", "Qwen/Qwen2.5-VL-3B-Instruct") as server:
+        for data in (plain, transparent, rotated):
+            response = post(server, proxy_body(image_part(data_url(data))))
+            assert response.status_code == 200, response.text
+            answer = response.json()
+            assert answer["object"] == "chat.completion" and answer["id"] == "chatcmpl-req-1"
+            assert answer["choices"][0]["finish_reason"] == "length"
+            decoded = decode_vllm_image(data, 10**8, "item")
+            identifier = image_identifier("blake3", "Qwen/Qwen2.5-VL-3B-Instruct",
+                                          EncodedImage(data, decoded.io_config))
+            (item,) = answer["encoder_cache"]
+            assert item["identifier"] == identifier and not item["hit"]
+            rows = load_file(str(storage / identifier / "encoder_cache.safetensors"))["ec_cache"]
+            assert item["tokens"] == rows.shape[0] == answer["usage"]["prompt_tokens"]
+            # The rows of the pixels vLLM decodes (the transparent one composited on white), bit for bit.
+            assert torch.equal(rows, native_rows(server, decoded.image))
+        assert not any(".tmp" in name for name in stored(storage))
+
+
+def test_hits_uuids_and_several_items_in_one_body(tmp_path):
+    storage = tmp_path / "ec"
+    first, second = png_bytes(40, 40, 1), png_bytes(56, 30, 2)
+    with ServerProcess("--ec-storage", str(storage)) as server:
+        response = post(server, proxy_body(image_part(data_url(first)), image_part(data_url(second), uuid="mine-2"),
+                                           image_part(data_url(first))))
+        assert response.status_code == 200, response.text
+        items = response.json()["encoder_cache"]
+        assert items[1]["identifier"] == "mine-2" and items[0]["identifier"] == items[2]["identifier"]
+        assert [item["hit"] for item in items] == [False, False, False]
+        assert server.metric("encoder_ec_storage_writes_total") == 2
+        # Sent again: hits, nothing encoded or written; a uuid alone (no URL) names the stored item.
+        forwards = server.metric("encoder_batch_size_count")
+        again = post(server, proxy_body(image_part(data_url(first)), {"uuid": "mine-2", "image_url": None}))
+        assert again.status_code == 200, again.text
+        assert [item["hit"] for item in again.json()["encoder_cache"]] == [True, True]
+        assert [item["tokens"] for item in again.json()["encoder_cache"]] == [items[0]["tokens"], items[1]["tokens"]]
+        assert server.metric("encoder_ec_storage_writes_total") == 2
+        assert server.metric("encoder_ec_storage_hits_total") == 2
+        assert server.metric("encoder_batch_size_count") == forwards
+        assert server.metric("encoder_ec_storage_files") == 2
+        assert server.metric("encoder_ec_storage_bytes") == sum(
+            path.stat().st_size for path in storage.rglob("encoder_cache.safetensors"))
+    # A restart finds them: the storage is a cache across restarts.
+    with ServerProcess("--ec-storage", str(storage)) as server:
+        response = post(server, proxy_body(image_part(data_url(second), uuid="mine-2")))
+        assert response.json()["encoder_cache"][0]["hit"] and server.metric("encoder_ec_storage_files") == 2
+
+
+def test_bad_items_are_openai_errors_naming_them_and_write_nothing(tmp_path):
+    storage = tmp_path / "ec"
+    good = data_url(png_bytes(32, 32, 4))
+    with ServerProcess("--ec-storage", str(storage)) as server:
+        cases = [
+            (proxy_body(image_part(good), image_part(data_url(b"\x89PNG not really"))), "messages[0].content[1]"),
+            (proxy_body(image_part("data:image/png,rawbytes")), "only base64"),
+            (proxy_body(image_part("ftp://example.invalid/cat.png")), "http(s) or data: URL"),
+            (proxy_body({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}), "input_audio"),
+            (proxy_body(image_part(good, uuid="../escape")), "uuid"),
+            (proxy_body({"uuid": "never-stored", "image_url": None}), "never-stored"),
+            ({"messages": "nope"}, "messages"),
+        ]
+        for body, needle in cases:
+            response = post(server, body)
+            assert 400 <= response.status_code < 500, response.text
+            error = response.json()["error"]
+            assert needle in error["message"] and error["code"] == response.status_code
+            assert error["type"] == "BadRequestError"
+        assert stored(storage) == [] and server.metric("encoder_ec_storage_writes_total") == 0
+        not_json = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=30)
+        assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]["message"]
+
+
+def test_http_images_and_concurrent_proxy_requests(tmp_path):
+    storage = tmp_path / "ec"
+    files = {f"/{index}.png": png_bytes(30 + 5 * index, 60 - 2 * index, 10 + index) for index in range(16)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    media = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=media.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{media.server_address[1]}"
+    try:
+        with ServerProcess("--ec-storage", str(storage), "--allow-private-urls", "true") as server:
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                responses = list(pool.map(lambda name: post(server, proxy_body(image_part(base + name)), "same-id"),
+                                          files))
+            assert [response.status_code for response in responses] == [200] * 16
+            for name, response in zip(files, responses):
+                identifier = image_identifier("blake3", "tiny-qwen2.5-vl", EncodedImage(files[name]))
+                assert response.json()["encoder_cache"][0]["identifier"] == identifier
+                assert (storage / identifier / "encoder_cache.safetensors").is_file()
+            assert server.metric("encoder_ec_storage_writes_total") == 16
+            assert server.metric("encoder_batch_size_count") < 16 + 1  # batched with each other (and the probe)
+    finally:
+        media.shutdown()
+
+
+def test_bound_and_minimum_age_with_metrics(tmp_path):
+    storage = tmp_path / "ec"
+    images = [png_bytes(28, 28, 100 + index) for index in range(5)]
+    with ServerProcess("--ec-storage", str(tmp_path / "probe")) as server:
+        post(server, proxy_body(image_part(data_url(images[0]))))
+        size = int(server.metric("encoder_ec_storage_bytes"))
+    with ServerProcess("--ec-storage", str(storage), "--ec-storage-bytes", str(2 * size),
+                       "--ec-storage-min-age-s", "0") as server:
+        identifiers = [post(server, proxy_body(image_part(data_url(image)))).json()["encoder_cache"][0]["identifier"]
+                       for image in images]
+        assert server.metric("encoder_ec_storage_evictions_total") == 3
+        assert server.metric("encoder_ec_storage_files") == 2
+        assert server.metric("encoder_ec_storage_bytes") <= 2 * size
+        assert sorted(path.name for path in storage.iterdir()) == sorted(identifiers[-2:])
+    with ServerProcess("--ec-storage", str(storage), "--ec-storage-bytes", str(size),
+                       "--ec-storage-min-age-s", "3600") as server:
+        post(server, proxy_body(image_part(data_url(images[0]))))
+        assert server.metric("encoder_ec_storage_evictions_total") == 0  # all young: the bound waits
+        assert server.metric("encoder_ec_storage_files") == 3
+
+
+def test_without_ec_storage_the_endpoint_says_how_to_turn_it_on():
+    with ServerProcess() as server:
+        response = post(server, proxy_body(image_part(data_url(png_bytes(8, 8)))))
+        assert response.status_code == 404 and "--ec-storage" in response.json()["error"]["message"]
