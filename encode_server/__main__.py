@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
+from encode_server import IMPORTED_AT
 from encode_server.ops.settings import load_settings
+
+log = logging.getLogger("encode_server.startup")
 
 #: Printed on stderr once the server listens; `encode_server.bench.launcher` waits for it.
 READY_LINE = "encode-server ready:"
@@ -27,18 +31,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported late so that --help answers fast
 
     from encode_server.http.app import create_app
-    from processors import load_adapter
+    from processors import DTYPE_NAMES, DeviceError, load_adapter
+    from processors.base import resolve_device
 
     group = None
     world = max(settings.tp_size, settings.dp_size)
+    try:
+        device = resolve_device(settings.device, world)
+    except DeviceError as exc:
+        sys.exit(f"encode-server: {exc}")
     set_cpu_threads(settings, world)
     if world > 1:
         from encode_server.parallel.ranks import WorkerGroup
 
+        log.info("starting %d %s ranks", world - 1, "tensor-parallel" if settings.tp_size > 1 else "data-parallel")
         group = WorkerGroup(settings, "tp" if settings.tp_size > 1 else "dp", world)
         group.start()  # the other ranks load the model while this one does
     try:
+        log.info("loading model %s on %s (dtype %s)", settings.model, device, settings.dtype)
+        loading = time.monotonic()
         adapter = load_adapter(settings.model, settings.device, settings.dtype)
+        log.info("loaded %s (family %s, %s) in %.1f s", adapter.info.name, adapter.info.family,
+                 DTYPE_NAMES[adapter.dtype], time.monotonic() - loading)
         if group is not None and group.role == "tp":
             from encode_server.parallel.ranks import join_tensor_parallel
 
@@ -46,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
         if group is not None:
             group.stop()
-        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
+        named = settings.model in str(exc)  # the message names the model already (an unknown name, a folder)
+        sys.exit(f"encode-server: {exc}" if named else f"encode-server: cannot load model {settings.model!r}: {exc}")
     if settings.preprocess_device != "cpu":
         from encode_server.preprocessing.gpu import PreprocessDeviceError, use_device_preprocessing
 
@@ -103,7 +118,8 @@ class DrainingServer:
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets=sockets)
                 if self.started:  # listening: tell supervisors (and the test launcher) at any log level
-                    print(f"{READY_LINE} http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+                    print(f"{READY_LINE} http://{config.host}:{config.port} (started in "
+                          f"{time.monotonic() - IMPORTED_AT:.1f} s)", file=sys.stderr, flush=True)
 
             def handle_exit(self, sig, frame) -> None:
                 service = getattr(app.state, "service", None)

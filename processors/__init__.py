@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import (
+    DeviceError,
     EncoderAdapter,
     ItemError,
     ItemLayout,
@@ -20,8 +21,8 @@ from .base import (
 )
 from .dtypes import DTYPE_NAMES
 
-__all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",
-           "BUILTIN_MODELS"]
+__all__ = ["DTYPE_NAMES", "DeviceError", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch",
+           "load_adapter", "BUILTIN_MODELS"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,7 +38,7 @@ def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> Encod
     from pathlib import Path
 
     from .checkpoint import CheckpointError
-    from .registry import builtin_models, load_checkpoint
+    from .registry import builtin_models, load_checkpoint, model_not_found_message
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -47,5 +48,4 @@ def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> Encod
         return builder(torch_device, torch_dtype)
     if Path(model).expanduser().is_dir():
         return load_checkpoint(model, torch_device, torch_dtype)
-    known = ", ".join(sorted(builtins))
-    raise CheckpointError(f"unknown model {model!r}: expected a built-in name ({known}) or a checkpoint folder")
+    raise CheckpointError(model_not_found_message(model))
