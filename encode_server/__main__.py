@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from encode_server import IMPORTED_AT
+import encode_server
 from encode_server.ops.settings import load_settings
 
 log = logging.getLogger("encode_server.startup")
@@ -119,7 +119,7 @@ class DrainingServer:
                 await super().startup(sockets=sockets)
                 if self.started:  # listening: tell supervisors (and the test launcher) at any log level
                     print(f"{READY_LINE} http://{config.host}:{config.port} (started in "
-                          f"{time.monotonic() - IMPORTED_AT:.1f} s)", file=sys.stderr, flush=True)
+                          f"{time.monotonic() - encode_server.IMPORTED_AT:.1f} s)", file=sys.stderr, flush=True)
 
             def handle_exit(self, sig, frame) -> None:
                 service = getattr(app.state, "service", None)

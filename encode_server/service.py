@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from encode_server import __version__
+import encode_server
 from encode_server.admission.gate import Admission
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from encode_server.cache.cached_encoding import CachedEncoding, cache_capacity, item_keys
@@ -347,7 +347,7 @@ class EncoderService:
     def server_info(self) -> dict[str, Any]:
         info = self.adapter.info
         return {
-            "version": __version__,
+            "version": encode_server.__version__,
             "settings": self.settings.public_dict(),
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
                       "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,

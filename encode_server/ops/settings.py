@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from encode_server import __version__
+import encode_server
 from encode_server.ops.memory import parse_cache_bytes
 from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
 from processors.dtypes import DTYPES
@@ -323,7 +323,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         if option.choices:
             kwargs["choices"] = option.choices
         parser.add_argument(option.flag, **kwargs)
-    parser.add_argument("--version", action="version", version=f"encode-server {__version__}",
+    parser.add_argument("--version", action="version", version=f"encode-server {encode_server.__version__}",
                         help="print the version and exit")
     return parser
 
