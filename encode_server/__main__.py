@@ -60,8 +60,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
         if group is not None:
             group.stop()
-        named = settings.model in str(exc)  # the message names the model already (an unknown name, a folder)
-        sys.exit(f"encode-server: {exc}" if named else f"encode-server: cannot load model {settings.model!r}: {exc}")
+        from processors.registry import ModelNotFound
+
+        found = not isinstance(exc, ModelNotFound)  # else the message names the model and what it should be
+        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}" if found else f"encode-server: {exc}")
     if settings.preprocess_device != "cpu":
         from encode_server.preprocessing.gpu import PreprocessDeviceError, use_device_preprocessing
 

@@ -37,8 +37,7 @@ def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> Encod
     """The encoder for a built-in model name or a local Hugging Face checkpoint folder."""
     from pathlib import Path
 
-    from .checkpoint import CheckpointError
-    from .registry import builtin_models, load_checkpoint, model_not_found_message
+    from .registry import ModelNotFound, builtin_models, load_checkpoint, model_not_found_message
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -48,4 +47,4 @@ def load_adapter(model: str, device: str = "auto", dtype: str = "auto") -> Encod
         return builder(torch_device, torch_dtype)
     if Path(model).expanduser().is_dir():
         return load_checkpoint(model, torch_device, torch_dtype)
-    raise CheckpointError(model_not_found_message(model))
+    raise ModelNotFound(model_not_found_message(model))

@@ -75,6 +75,10 @@ def supported_model_types() -> list[str]:
     return sorted(t for family in families() for t in family.model_types)
 
 
+class ModelNotFound(CheckpointError):
+    """`--model` names neither a built-in model nor an existing checkpoint folder (the message says which)."""
+
+
 def looks_like_path(model: str) -> bool:
     """Whether `--model` is written as a folder's path rather than a model's name: absolute, from the home or
     the current folder, or of three segments or more (a name is `tiny-...`, a Hub id `org/name`)."""
