@@ -6,9 +6,13 @@ import asyncio
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
+import encode_server
 from encode_server.ops.settings import load_settings
+
+log = logging.getLogger("encode_server.startup")
 
 #: Printed on stderr once the server listens; `encode_server.bench.launcher` waits for it.
 READY_LINE = "encode-server ready:"
@@ -28,23 +32,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported late so that --help answers fast
 
     from encode_server.http.app import create_app
-    from processors import load_adapter, resolve_model
+    from processors import DTYPE_NAMES, DeviceError, load_adapter, resolve_model
+    from processors.base import resolve_device
+    from processors.registry import ModelNotFound
 
-    try:  # a Hub id becomes its local encoder-only folder here, downloaded once for every rank
-        model = resolve_model(settings.model)
-    except (ValueError, OSError) as exc:
-        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
     group = None
     world = max(settings.tp_size, settings.dp_size)
+    try:
+        device = resolve_device(settings.device, world)
+    except DeviceError as exc:
+        sys.exit(f"encode-server: {exc}")
+    try:  # a Hub id becomes its local encoder-only folder here, downloaded once for every rank
+        log.info("resolving model %s", settings.model)
+        model = resolve_model(settings.model)
+    except ModelNotFound as exc:  # the message names the model and what it should be
+        sys.exit(f"encode-server: {exc}")
+    except (ValueError, OSError) as exc:
+        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
     set_cpu_threads(settings, world)
     if world > 1:
         from encode_server.parallel.ranks import WorkerGroup
 
+        log.info("starting %d %s ranks", world - 1, "tensor-parallel" if settings.tp_size > 1 else "data-parallel")
         group = WorkerGroup(dataclasses.replace(settings, model=model), "tp" if settings.tp_size > 1 else "dp", world)
         group.start()  # the other ranks load the model while this one does
     try:
+        log.info("loading model %s on %s (dtype %s)", settings.model, device, settings.dtype)
+        loading = time.monotonic()
         adapter = load_adapter(model, settings.device, settings.dtype,
                                name=settings.model if model != settings.model else None)
+        log.info("loaded %s (family %s, %s) in %.1f s", adapter.info.name, adapter.info.family,
+                 DTYPE_NAMES[adapter.dtype], time.monotonic() - loading)
         if group is not None and group.role == "tp":
             from encode_server.parallel.ranks import join_tensor_parallel
 
@@ -52,7 +70,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
         if group is not None:
             group.stop()
-        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}")
+        from processors.registry import ModelNotFound
+
+        found = not isinstance(exc, ModelNotFound)  # else the message names the model and what it should be
+        sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}" if found else f"encode-server: {exc}")
     if settings.preprocess_device != "cpu":
         from encode_server.preprocessing.gpu import PreprocessDeviceError, use_device_preprocessing
 
@@ -109,7 +130,8 @@ class DrainingServer:
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets=sockets)
                 if self.started:  # listening: tell supervisors (and the test launcher) at any log level
-                    print(f"{READY_LINE} http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+                    print(f"{READY_LINE} http://{config.host}:{config.port} (started in "
+                          f"{time.monotonic() - encode_server.IMPORTED_AT:.1f} s)", file=sys.stderr, flush=True)
 
             def handle_exit(self, sig, frame) -> None:
                 service = getattr(app.state, "service", None)

@@ -6,6 +6,12 @@ metadata by `req_id`, blocking (`get`) or async (`aget`). An error header raises
 `EmbeddingError`; waiting too long raises `TimeoutError`. Embeddings nobody claims are dropped
 after `ttl_s`, and the oldest go first when more than `max_bytes` are held.
 
+A message in SGLang's wire format (an encoder started with `--wire-format sglang`: frame 0 is a
+pickle, which starts with byte 0x80; ours is a JSON object, `{`) is recognised by that first byte and
+never unpickled. Its request id cannot be read, so the receiver fails every waiting `get`/`aget` at
+once with `WireFormatMismatch`, naming the fix, and every later one too, until a native message
+arrives again (requests already received whole are still handed out).
+
     receiver = EmbeddingReceiver()                 # binds tcp://127.0.0.1:<free port>
     ...post /encode with embedding_port=receiver.port, or register receiver.endpoint...
     result = receiver.get("req-1", timeout=30)     # result.tensor: [tokens, dim]
@@ -35,6 +41,20 @@ log = logging.getLogger("encode_server.receiver")
 #: malloc-aligned) and become the returned tensor without a copy; smaller ones may sit at any offset of
 #: ZMQ's shared receive buffer, so they are copied into a fresh (aligned) tensor.
 _ZERO_COPY_BYTES = 64 << 10
+
+
+#: The first byte of a pickle of protocol 2 or later (SGLang's frame 0); a native header starts with `{`.
+PICKLE_START = 0x80
+
+MISMATCH_MESSAGE = (
+    "a message in SGLang's wire format (frame 0 is a pickle) reached this receiver, which reads the native format "
+    "(a JSON header, docs/CONTRACT.md section 3): start the encoder with --wire-format native (the default), or "
+    "receive with SGLang's own receiver (an unchanged SGLang prefill server); this receiver's requests fail until "
+    "a native message arrives")
+
+
+class WireFormatMismatch(RuntimeError):
+    """Messages in SGLang's pickled wire format reach this native receiver: no request can be read from them."""
 
 
 class EmbeddingError(RuntimeError):
@@ -117,6 +137,10 @@ class EmbeddingReceiver:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._held_bytes = 0
         self._closed = False
+        #: Set while the last message that arrived was in SGLang's wire format; cleared by a native one.
+        self._mismatch: str | None = None
+        #: Messages in SGLang's wire format received so far (dropped unread).
+        self.foreign_messages = 0
         self._thread = threading.Thread(target=self._run, name=f"embedding-receiver-{self.port}", daemon=True)
         self._thread.start()
 
@@ -129,6 +153,11 @@ class EmbeddingReceiver:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"tcp://{host}:{self.port}"
+
+    @property
+    def mismatch(self) -> str | None:
+        """While messages in SGLang's wire format arrive here (requests then fail for it), what is wrong."""
+        return self._mismatch
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -155,6 +184,10 @@ class EmbeddingReceiver:
     def _receive_one(self) -> None:
         """Read one message; a large payload becomes the returned tensor without a copy."""
         frames = self._socket.recv_multipart(copy=False)
+        first = frames[0].buffer
+        if len(first) and first[0] == PICKLE_START:  # SGLang's frame 0; never unpickled
+            self._foreign()
+            return
         if len(frames) != 2:
             log.warning("dropping a message of %d frames (expected 2)", len(frames))
             return
@@ -178,6 +211,15 @@ class EmbeddingReceiver:
                 raw_bytes(tensor)[:] = payload
         self._accept(header, tensor)
 
+    def _foreign(self) -> None:
+        """A message in SGLang's wire format: fail the waiting requests (their ids are inside the pickle)."""
+        with self._lock:
+            self.foreign_messages += 1
+            if self._mismatch is None:
+                log.error("%s", MISMATCH_MESSAGE)
+            self._mismatch = MISMATCH_MESSAGE
+            self._lock.notify_all()
+
     def _next_expiry_ms(self) -> int | None:
         with self._lock:
             if not self._pending:
@@ -187,6 +229,9 @@ class EmbeddingReceiver:
 
     def _accept(self, header: Header, tensor: torch.Tensor | None) -> None:
         with self._lock:
+            if self._mismatch is not None:
+                log.info("native messages arrive again: requests are no longer failed for the wire format")
+                self._mismatch = None
             pending = self._pending.get(header.req_id)
             if pending is None:
                 pending = self._pending[header.req_id] = _Pending(time.monotonic(), header.num_parts)
@@ -216,7 +261,8 @@ class EmbeddingReceiver:
     # --- claiming -----------------------------------------------------------------------------
 
     def get(self, req_id: str, timeout: float | None = None) -> ReceivedEmbedding:
-        """Wait for every part of `req_id`; raises `EmbeddingError` or `TimeoutError`."""
+        """Wait for every part of `req_id`; raises `EmbeddingError`, `TimeoutError`, or `WireFormatMismatch` while
+        the messages arriving are in SGLang's wire format (see the module's docstring)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._evict()  # past its time-to-live is gone, even if the receiving thread has not woken yet
         with self._lock:
@@ -227,6 +273,8 @@ class EmbeddingReceiver:
                     break
                 if self._closed:
                     raise RuntimeError("receiver is closed")
+                if self._mismatch is not None:
+                    raise WireFormatMismatch(self._mismatch)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no complete embedding for {req_id!r} within {timeout} s")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+import encode_server
 from encode_server.admission.gate import Admission
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from encode_server.cache.cached_encoding import CachedEncoding, cache_capacity, item_keys
@@ -211,7 +212,8 @@ class EncoderService:
                                                         ticket.timeout_s)
             except asyncio.TimeoutError:
                 ticket.status = "504"
-                error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s", request.req_id)
+                error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s (the request's timeout_s, "
+                                         f"at most --req-timeout-s)", request.req_id)
                 self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
                 raise error from None
             except EncodeError as error:
@@ -376,6 +378,7 @@ class EncoderService:
     def server_info(self) -> dict[str, Any]:
         info = self.adapter.info
         return {
+            "version": encode_server.__version__,
             "settings": self.settings.public_dict(),
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
                       "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,

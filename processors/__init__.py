@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import (
+    DeviceError,
     EncoderAdapter,
     ItemError,
     ItemLayout,
@@ -20,8 +21,8 @@ from .base import (
 )
 from .dtypes import DTYPE_NAMES
 
-__all__ = ["DTYPE_NAMES", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch", "load_adapter",
-           "resolve_model", "BUILTIN_MODELS"]
+__all__ = ["DTYPE_NAMES", "DeviceError", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch",
+           "load_adapter", "resolve_model", "BUILTIN_MODELS"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,23 +36,20 @@ def __getattr__(name: str) -> Any:
 def resolve_model(model: str) -> str:
     """What `--model` names, as something `load_adapter` loads without the network: a built-in name or an
     existing folder as it is; a Hub id `org/name[@revision]` as its local encoder-only folder, downloaded
-    on first use (`processors/hub.py`). Anything else is a `CheckpointError` listing the built-in names."""
+    on first use (`processors/hub.py`). Anything else is a `ModelNotFound` saying what `--model` may be."""
     from pathlib import Path
 
-    from .checkpoint import CheckpointError
-    from .registry import builtin_models
+    from .registry import ModelNotFound, builtin_models, looks_like_path, model_not_found_message
 
     builtins = builtin_models()
     if model in builtins or Path(model).expanduser().is_dir():
         return model
     from .hub import encoder_checkpoint, parse_hub_id
 
-    hub_id = parse_hub_id(model)
+    hub_id = None if looks_like_path(model) or Path(model).expanduser().exists() else parse_hub_id(model)
     if hub_id is not None:
         return str(encoder_checkpoint(hub_id))
-    known = ", ".join(sorted(builtins))
-    raise CheckpointError(f"unknown model {model!r}: expected a built-in name ({known}), a checkpoint folder, or a "
-                          "Hugging Face Hub id (org/name or org/name@revision)")
+    raise ModelNotFound(model_not_found_message(model))
 
 
 def load_adapter(model: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> EncoderAdapter:

@@ -197,11 +197,43 @@ class EncoderAdapter(ABC):
         return list(torch.split(rows, sizes))
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` means cuda when it is available, else cpu."""
+class DeviceError(ValueError):
+    """A device this process cannot use; the message says why and what to do instead."""
+
+
+#: How to get a torch that can use NVIDIA GPUs, for the errors that find none.
+CUDA_TORCH_HINT = ("install a CUDA build of torch from the PyTorch package index (pip install torch --index-url "
+                   "https://download.pytorch.org/whl/cu<version>, the CUDA version your driver supports: "
+                   "https://pytorch.org/get-started/locally), or use --device cpu")
+
+
+def resolve_device(device: str, ranks: int = 1) -> torch.device:
+    """`auto` means cuda when it is available, else cpu. A CUDA device this process cannot use, or fewer
+    GPUs than `ranks` (each rank of a parallel server takes its own, `cuda:<rank>`), raise `DeviceError`."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise DeviceError(f"--device {device!r} is not a device: expected auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        check_cuda(device, max((resolved.index or 0) + 1, ranks))
+    return resolved
+
+
+def check_cuda(device: str, needed: int) -> None:
+    """`DeviceError` unless this torch can use `needed` CUDA devices (cuda:0 .. cuda:needed-1)."""
+    if torch.version.cuda is None:
+        raise DeviceError(f"--device {device}: CUDA is not available in this torch build (torch {torch.__version__} "
+                          f"was built without CUDA): {CUDA_TORCH_HINT}")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"--device {device}: this torch has CUDA {torch.version.cuda} but sees no GPU: check the "
+                          "NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, in a container the NVIDIA "
+                          "container toolkit (docker run --gpus all); or use --device cpu")
+    count = torch.cuda.device_count()
+    if needed > count:
+        raise DeviceError(f"--device {device}: {needed} CUDA devices are needed (the device named, and one per "
+                          f"rank with --tp-size or --dp-size) but {count} {'is' if count == 1 else 'are'} visible")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -66,7 +66,8 @@ class QwenAudioAdapter(EncoderAdapter):
             raise ItemError("expected a mono waveform")
         if item.shape[0] > self.window_samples:
             raise ItemError(f"audio of {item.shape[0] / self.sampling_rate:.2f} s is longer than the model's "
-                            f"window of {self.max_seconds:g} s")
+                            f"window of {self.max_seconds:g} s: send it as several clips of at most that "
+                            "(one item each)")
         frames = -(-item.shape[0] // self.hop_length)
         rows = audio_output_rows(frames)
         if rows < 1:

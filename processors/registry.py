@@ -66,8 +66,40 @@ def builtin_models() -> dict[str, Callable[[torch.device, torch.dtype], EncoderA
     return {name: build for family in families() for name, build in family.builtins.items()}
 
 
+def families_encoding(modality: str) -> list[Family]:
+    """The families whose models encode `modality` (image, audio or video), in `FAMILY_MODULES` order."""
+    return [family for family in families() if modality in family.modalities]
+
+
 def supported_model_types() -> list[str]:
     return sorted(t for family in families() for t in family.model_types)
+
+
+class ModelNotFound(CheckpointError):
+    """`--model` names neither a built-in model nor an existing checkpoint folder (the message says which)."""
+
+
+def looks_like_path(model: str) -> bool:
+    """Whether `--model` is written as a folder's path rather than a model's name: absolute, from the home or
+    the current folder, or of three segments or more (a name is `tiny-...`, a Hub id `org/name`)."""
+    return (model in (".", "..") or model.startswith(("/", "~", "./", "../")) or "\\" in model
+            or model.count("/") >= 2)
+
+
+def model_not_found_message(model: str) -> str:
+    """Why `--model` names nothing this server can load (neither a built-in model nor an existing folder),
+    and what would."""
+    if looks_like_path(model) or Path(model).expanduser().exists():
+        path = Path(model).expanduser()
+        where = str(path) if path.is_absolute() else f"{model} (relative to the working folder {Path.cwd()})"
+        if path.exists():
+            return f"{where} is a file, not a checkpoint folder (a folder with config.json and *.safetensors)"
+        return (f"the folder {where} does not exist: give the path of a checkpoint folder (config.json and "
+                f"*.safetensors, as save_pretrained writes them)")
+    known = ", ".join(sorted(builtin_models()))
+    return (f"unknown model {model!r}: neither a built-in model ({known}), an existing checkpoint folder, nor a "
+            f"Hugging Face Hub id (org/name or org/name@revision); `python -m processors.registry` lists the "
+            f"families a folder may hold")
 
 
 def load_checkpoint(folder: str | Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

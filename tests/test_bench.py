@@ -8,7 +8,7 @@ import sys
 
 from encode_server.bench.__main__ import main
 
-from .helpers import ROOT
+from .helpers import ROOT, ServerProcess
 
 
 def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path):
@@ -62,3 +62,23 @@ def test_camera_stages_time_each_size_on_one_core(tmp_path):
     assert all(stage > 0 for size in ("1280x720", "1920x1080", "batch of 2") for stage in result[size].values())
     if allowed is not None:
         assert os.sched_getaffinity(0) == allowed
+
+
+def test_bench_against_a_running_server_measures_the_encoder_not_its_cache(tmp_path):
+    """`encode-bench --url` against a server whose cache is on: distinct media by default (hit rate 0), and
+    with --repeat-media the hit rate it measured from /metrics, with a warning."""
+    with ServerProcess("--cache-bytes", "64MiB") as server:
+        def bench(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+            out = tmp_path / ("repeat" if extra else "distinct")
+            done = subprocess.run([sys.executable, "-m", "encode_server.bench", "--url", server.url, "--concurrency",
+                                   "2", "--rates", "", "--out", str(out), *extra], capture_output=True, text=True,
+                                  timeout=300, cwd=ROOT)
+            assert done.returncode == 0, done.stdout + done.stderr
+            return done, json.loads((out / "results.json").read_text())
+
+        distinct, results = bench("--requests", "16")
+        assert results["hit_rate"] == 0.0 and "cache hit rate over the run: 0.0%" in distinct.stdout
+        assert "warning" not in distinct.stderr
+        repeated, results = bench("--requests", "64", "--repeat-media")
+        assert results["hit_rate"] > 0.5 and "the figures measure the cache" in repeated.stdout
+        assert "warning: the server's embedding cache answered" in repeated.stderr

@@ -86,3 +86,43 @@ def test_point_metrics_are_deltas_of_the_servers_counters():
     assert metrics["hit_rate"] == 0.75 and metrics["tokens_encoded"] == 40 and metrics["forwards"] == 3
     assert metrics["cache_mib"] == 1.0 and metrics["rss_mib"] is None
     assert point_metrics({}, {}, pid=None)["hit_rate"] is None
+
+
+def test_single_sends_a_unique_copy_per_request_unless_told_to_repeat():
+    """The default single workload never repeats an item's bytes (so a server's cache cannot answer it), yet
+    decodes to the same 32 pictures or clips; `repeat` cycles through the 32 items themselves."""
+    import soundfile
+
+    distinct = make_workload("single", "image", 28, 1.0).requests(70)
+    items = [item for request in distinct for item in request]
+    assert len(set(items)) == 70
+    assert np.array_equal(pixels(items[0]), pixels(items[32])) and items[0] != items[32]
+    repeated = make_workload("single", "image", 28, 1.0, repeat=True).requests(70)
+    assert len({item for request in repeated for item in request}) == 32
+    clips = [request[0] for request in make_workload("single", "audio", 28, 0.2).requests(33)]
+    assert len(set(clips)) == 33
+    decoded = [soundfile.read(io.BytesIO(base64.b64decode(clip)), dtype="float32")[0] for clip in (clips[0], clips[32])]
+    assert np.array_equal(*decoded)
+
+
+def test_a_salt_makes_two_runs_send_different_bytes():
+    first = make_workload("unique", "image", 28, 1.0, salt="a").requests(5)
+    assert first == make_workload("unique", "image", 28, 1.0, salt="a").requests(5)
+    assert not {i for r in first for i in r} & {i for r in make_workload("unique", "image", 28, 1.0, salt="b")
+                                                 .requests(5) for i in r}
+    assert make_workload("single", "image", 28, 1.0, salt="a").requests(3) != \
+        make_workload("single", "image", 28, 1.0, salt="b").requests(3)
+
+
+def test_wav_nonce_keeps_the_samples():
+    import soundfile
+
+    from encode_server.bench.workloads import wav_with_nonce
+
+    clip = io.BytesIO()
+    soundfile.write(clip, np.linspace(-0.5, 0.5, 800, dtype=np.float32), 16000, format="WAV")
+    tagged = wav_with_nonce(clip.getvalue(), "odd-nonce")
+    assert tagged != clip.getvalue()
+    assert np.array_equal(soundfile.read(io.BytesIO(tagged))[0], soundfile.read(io.BytesIO(clip.getvalue()))[0])
+    with pytest.raises(ValueError):
+        wav_with_nonce(b"not a wav", "x")

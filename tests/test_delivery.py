@@ -18,8 +18,11 @@ import pytest
 import torch
 import zmq
 
+from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.delivery.wire import HEADER_KEYS, Header
-from encode_server.receiver import EmbeddingError, EmbeddingReceiver
+from encode_server.receiver import EmbeddingError, EmbeddingReceiver, WireFormatMismatch
+from encode_server.records import EncodedPart, PartMeta
+from processors import ItemLayout
 
 from .helpers import ROOT, ServerProcess, free_port, image_b64, push
 
@@ -294,6 +297,57 @@ def test_receiver_drops_malformed_messages_and_keeps_serving():
         assert receiver.get("fine", timeout=5).tensor.shape == (2, 3)
         with pytest.raises(TimeoutError):
             receiver.get("short", timeout=0.1)
+
+
+def sglang_message(req_id: str, failed: bool = False) -> list[bytes]:
+    """What an encoder started with --wire-format sglang sends: a pickled frame 0 (and the raw bytes)."""
+    meta, wire = PartMeta(req_id, 0, 1, "image"), SglangWire()
+    if failed:
+        return [bytes(frame) for frame in wire.failure_frames(meta, 400, "bad image")]
+    part = EncodedPart(embedding=torch.zeros(2, 3), layouts=(ItemLayout(2, (1, 2, 4)),), batch_size=1)
+    return [bytes(frame) for frame in wire.success_frames(meta, part)]
+
+
+def test_sglang_frames_fail_every_waiter_at_once_until_a_native_message_arrives():
+    """A receiver fed SGLang's pickled frames (the encoder runs --wire-format sglang) cannot read the request
+    ids: every pending get fails at once naming the mismatch and the fix, and so does every later one until a
+    native message arrives. Requests already received whole are still handed out. Nothing is unpickled."""
+    with EmbeddingReceiver() as receiver:
+        push(receiver.port, [header("early"), np.ones((2, 3), "<f4").tobytes()])
+        assert receiver.get("early", timeout=5) is not None  # claimed before the foreign frames
+        push(receiver.port, [header("whole"), np.ones((2, 3), "<f4").tobytes()])
+        outcome: dict = {}
+
+        def wait() -> None:
+            started = time.monotonic()
+            try:
+                receiver.get("pending", timeout=30)
+            except Exception as exc:  # noqa: BLE001 (the test inspects what was raised)
+                outcome["error"], outcome["after_s"] = exc, time.monotonic() - started
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        push(receiver.port, sglang_message("pending"))
+        waiter.join(timeout=10)
+        error = outcome["error"]
+        assert isinstance(error, WireFormatMismatch) and outcome["after_s"] < 5
+        assert "--wire-format native" in str(error) and "SGLang's own receiver" in str(error)
+        with pytest.raises(WireFormatMismatch):  # a later get fails too, at once
+            receiver.get("later", timeout=30)
+        assert receiver.get("whole", timeout=1).tensor.sum().item() == 6.0  # received before: still handed out
+        push(receiver.port, sglang_message("failed", failed=True))  # SGLang's one-frame failure message
+        with pytest.raises(WireFormatMismatch):
+            asyncio.run(receiver.aget("later", timeout=30))
+        assert receiver.foreign_messages == 2 and "--wire-format native" in receiver.mismatch
+        push(receiver.port, [header("native"), np.zeros((2, 3), "<f4").tobytes()])
+        deadline = time.monotonic() + 5
+        while receiver.mismatch is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.mismatch is None
+        assert receiver.get("native", timeout=5).tensor.shape == (2, 3)  # back to normal
+        with pytest.raises(TimeoutError):
+            receiver.get("later", timeout=0.1)
 
 
 def test_receiver_imports_without_fastapi():

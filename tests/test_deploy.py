@@ -1,15 +1,21 @@
-"""The deployment files parse, and configure the server only through settings it has."""
+"""The deployment files parse, configure the server only through settings it has, and fit together: the
+Kubernetes manifest runs the image the Dockerfile documents building, addresses each pod by its own name,
+and scrapes /metrics on the server's port; the Dockerfile's health check works against a real server.
+(No Docker engine here: the image itself is not built by the tests.)"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 
 import yaml
 
 from encode_server.ops.settings import OPTIONS
 
-from .helpers import ROOT
+from .helpers import ROOT, ServerProcess, free_port
 
 DEPLOY = ROOT / "deploy"
 KNOWN_VARIABLES = {option.env_var for option in OPTIONS}
@@ -27,16 +33,101 @@ def test_shell_scripts_are_valid_and_use_real_flags():
             assert flag in KNOWN_FLAGS, f"{script.name}: unknown flag {flag}"
 
 
-def test_kubernetes_deployment_probes_health_and_sets_known_variables():
-    documents = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "encode-server.yaml").read_text()))
-    kinds = {doc["kind"]: doc for doc in documents}
-    assert set(kinds) == {"Deployment", "Service"}
-    container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+MANIFEST = DEPLOY / "kubernetes" / "encode-server.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def manifest() -> dict:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())}
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, comments dropped and continued lines joined."""
+    instructions, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        current += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            keyword, _, rest = current.strip().partition(" ")
+            instructions.append((keyword.upper(), " ".join(rest.split())))
+            current = ""
+    return instructions
+
+
+def documented_build_tag(text: str) -> str:
+    """The image of the `docker build -t <image> .` command a file's comments document."""
+    tags = re.findall(r"#\s+docker build -t (\S+) \.$", text, flags=re.MULTILINE)
+    assert len(tags) == 1, tags
+    return tags[0]
+
+
+def test_kubernetes_statefulset_probes_health_and_sets_known_variables():
+    kinds = manifest()
+    assert set(kinds) == {"StatefulSet", "Service"}
+    container = kinds["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     names = {entry["name"] for entry in container["env"]}
     assert names and names <= KNOWN_VARIABLES, names - KNOWN_VARIABLES
-    assert kinds["Service"]["spec"]["selector"] == kinds["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert kinds["Service"]["spec"]["selector"] == kinds["StatefulSet"]["spec"]["selector"]["matchLabels"]
+
+
+def test_each_pod_is_addressed_by_its_own_name():
+    """A request's /encode and its prefill ranks' registrations must reach the same pod: no virtual IP that
+    balances connections, but a headless Service whose StatefulSet names each pod."""
+    kinds = manifest()
+    assert kinds["Service"]["spec"]["clusterIP"] == "None"
+    assert kinds["StatefulSet"]["spec"]["serviceName"] == kinds["Service"]["metadata"]["name"]
+    assert "--encoder-urls http://encode-server-0.encode-server:30000" in MANIFEST.read_text()
+
+
+def test_prometheus_annotations_scrape_metrics_on_the_servers_port():
+    pod = manifest()["StatefulSet"]["spec"]["template"]
+    annotations = pod["metadata"]["annotations"]
+    container = pod["spec"]["containers"][0]
+    env = {entry["name"]: entry.get("value") for entry in container["env"]}
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert annotations["prometheus.io/port"] == env["ENCODER_PORT"] == str(container["ports"][0]["containerPort"])
+    assert "ENCODER_METRICS_REQUIRE_KEY" not in env  # the default: a scraper needs no key
+
+
+def test_manifest_runs_the_image_the_dockerfile_documents_building():
+    tag = documented_build_tag(DOCKERFILE.read_text())
+    assert documented_build_tag(MANIFEST.read_text()) == tag
+    image = manifest()["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == tag and image.rsplit("/", 1)[-1].startswith("encode-server:")
+
+
+def test_dockerfile_installs_the_video_extra_on_a_cuda_base_and_runs_the_server():
+    instructions = dockerfile_instructions()
+    arguments = {}
+    for keyword, rest in instructions:
+        arguments.setdefault(keyword, []).append(rest)
+    assert [keyword for keyword, _ in instructions].count("FROM") == 1
+    base = next(rest for keyword, rest in instructions if keyword == "ARG" and rest.startswith("CUDA_IMAGE="))
+    assert base.startswith("CUDA_IMAGE=nvidia/cuda:") and arguments["FROM"] == ["${CUDA_IMAGE}"]
+    runs = " ".join(arguments["RUN"])
+    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in runs
+    assert 'pip install ".[video]"' in runs
+    assert json.loads(arguments["ENTRYPOINT"][0]) == ["encode-server"]
+    assert arguments["EXPOSE"] == ["30000"]
+    env = " ".join(arguments["ENV"])
+    assert "ENCODER_HOST=0.0.0.0" in env and "ENCODER_PORT=30000" in env
+    assert arguments["USER"] == ["encoder"]
+    (healthcheck,) = arguments["HEALTHCHECK"]
+    assert "/health" in healthcheck and "ENCODER_PORT" in healthcheck
+
+
+def test_the_dockerfile_health_check_passes_on_a_healthy_server_and_fails_without_one():
+    """The HEALTHCHECK's command itself, run here against a real server (python3 is the image's venv python)."""
+    (healthcheck,) = [rest for keyword, rest in dockerfile_instructions() if keyword == "HEALTHCHECK"]
+    command = healthcheck.split(" CMD ", 1)[1].replace("python3 ", f"{sys.executable} ", 1)
+    with ServerProcess() as server:
+        env = {**os.environ, "ENCODER_PORT": str(server.port)}
+        assert subprocess.run(["sh", "-c", command], env=env, timeout=30).returncode == 0
+    env = {**os.environ, "ENCODER_PORT": str(free_port())}
+    assert subprocess.run(["sh", "-c", command], env=env, capture_output=True, timeout=30).returncode != 0
 
 
 def test_systemd_unit_runs_the_server_with_an_environment_file():

@@ -7,6 +7,8 @@ import asyncio
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from prometheus_client import Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
+from encode_server.http.error_log import LINES_PER_SECOND, LineBudget
 from encode_server.ops.health import HealthProbe
 from encode_server.ops.metrics import LoopLagMonitor, PerformanceWindow
 
@@ -278,3 +281,65 @@ def test_dashboard_file_is_valid_grafana_json():
     dashboard = json.loads(Path(DASHBOARD).read_text())
     assert dashboard["title"] == "encode-server" and dashboard["panels"]
     assert all("gridPos" in panel and panel["targets"] for panel in dashboard["panels"])
+
+
+# --- what the server says: its version, its start-up, and every error answer ----------------------
+
+def test_version_flag_prints_the_package_version():
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-m", "encode_server", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"encode-server {version('encode-server')}"
+
+
+def test_line_budget_lets_a_few_lines_a_second_through_and_counts_the_rest():
+    clock = [0.0]
+    budget = LineBudget(per_second=3, clock=lambda: clock[0])
+    assert [budget.take() for _ in range(5)] == [0, 0, 0, None, None]
+    clock[0] = 0.5
+    assert budget.take() is None  # same window
+    clock[0] = 1.2
+    assert budget.take() == 3  # the first line of the next window says how many were left out
+    assert budget.take() == 0
+
+
+def test_start_up_steps_and_every_error_answer_are_logged_at_the_default_level():
+    """At `--log-level info` (the default) the start-up says what it does, and each 4xx/5xx answer is one
+    line with its status, request id and reason; a flood is cut to `LINES_PER_SECOND`, and the next line
+    written counts what was left out, so every error answer is accounted for."""
+    from importlib.metadata import version
+
+    from encode_server.ops.settings import Settings
+
+    assert Settings().log_level == "info"
+    with ServerProcess("--log-level", "info", "--api-key", "k") as server:
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(server.url + "/server_info", headers=auth).json()["version"] == version("encode-server")
+        startup = server.log()
+        for step in ("loading model tiny-qwen2.5-vl", "warming up tiny-qwen2.5-vl", "ready in"):
+            assert step in startup, startup
+        assert re.search(r"encode-server ready: http://127\.0\.0\.1:\d+ \(started in [\d.]+ s\)", startup)
+        bad = {"req_id": "bad-1", "modality": "image", "mm_items": ["bm90IGFuIGltYWdl"]}
+        assert httpx.post(server.url + "/encode", json=bad, headers=auth).status_code == 400
+        assert httpx.get(server.url + "/server_info").status_code == 401
+        time.sleep(1.1)  # a fresh window for the flood
+
+        async def flood() -> None:
+            async with httpx.AsyncClient(headers=auth, timeout=60) as client:
+                await asyncio.gather(*(client.post(server.url + "/encode", json={**bad, "req_id": f"flood-{i}"})
+                                       for i in range(60)))
+
+        asyncio.run(flood())
+        time.sleep(1.1)
+        after = httpx.post(server.url + "/encode", json={**bad, "req_id": "after-flood"}, headers=auth)
+        assert after.status_code == 400
+        time.sleep(0.3)
+        log = server.log()
+    assert re.search(r"answered 400 to POST /encode req_id=bad-1: mm_items\[0\]: not a decodable image", log)
+    assert "answered 401 to GET /server_info req_id=-: missing API key" in log
+    flood_lines = re.findall(r"answered 400 to POST /encode req_id=(?:flood-\d+|after-flood):.*", log)
+    left_out = sum(int(n) for n in re.findall(r"\((\d+) more error answers were not logged", log))
+    assert left_out > 0 and len(flood_lines) - 1 >= LINES_PER_SECOND, "the flood is cut to a few lines a second"
+    assert len(flood_lines) + left_out == 61, "every error answer is either logged or counted"
+    assert "req_id=after-flood" in flood_lines[-1] and "were not logged" in flood_lines[-1]

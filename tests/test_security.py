@@ -359,15 +359,18 @@ def test_fuzzed_bodies_never_get_a_5xx(guarded_server):
     assert httpx.get(guarded_server.url + "/health").status_code == 200
 
 
-def test_api_key_guards_every_endpoint_but_health():
+def test_api_key_guards_every_endpoint_but_health_and_metrics():
+    """A Prometheus scraper reads /metrics without the key (unless --metrics-require-key: next test)."""
     with ServerProcess("--api-key", "s3cret") as server:
         assert httpx.get(server.url + "/health").status_code == 200
+        metrics = httpx.get(server.url + "/metrics")
+        assert metrics.status_code == 200 and "encoder_requests_total" in metrics.text
         body = {"req_id": "k", "modality": "image", "mm_items": [image_b64(56, 56)]}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
                         {"Authorization": "Bearer s3cre"}, {"Authorization": "Basic s3cret"}):
             response = httpx.post(server.url + "/encode", json=body, headers=headers)
             assert response.status_code == 401 and response.json()["status"] == "error"
-        for path in ("/server_info", "/metrics", "/v1/performance", "/openapi.json", "/docs"):
+        for path in ("/server_info", "/v1/performance", "/openapi.json", "/docs"):
             assert httpx.get(server.url + path).status_code == 401, path
         assert httpx.post(server.url + "/scheduler_receive_url", json={}).status_code == 401
         assert httpx.post(server.url + "/v1/chat/completions", json={}).status_code == 401
@@ -376,3 +379,14 @@ def test_api_key_guards_every_endpoint_but_health():
         assert httpx.get(server.url + "/metrics", headers={"Authorization": "bearer s3cret"}).status_code == 200
         info = httpx.get(server.url + "/server_info", headers=auth).json()
         assert "s3cret" not in json.dumps(info)
+        assert "s3cret" not in httpx.get(server.url + "/metrics").text
+
+
+def test_metrics_require_key_puts_metrics_behind_the_key_too():
+    with ServerProcess("--api-key", "s3cret", env={"ENCODER_METRICS_REQUIRE_KEY": "true"}) as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/metrics").status_code == 401
+        assert httpx.get(server.url + "/server_info").status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(server.url + "/metrics", headers=auth).status_code == 200
+        assert httpx.get(server.url + "/server_info", headers=auth).json()["settings"]["metrics_require_key"] is True

@@ -51,10 +51,23 @@ def test_bare_boolean_flag_means_true():
 
 
 @pytest.mark.parametrize("argv", [["--max-batch-size", "0"], ["--max-wait-ms", "-1"], ["--port", "70000"],
-                                  ["--req-timeout-s", "0"], ["--dtype", "int8"], ["--max-batch-size", "x"]])
+                                  ["--req-timeout-s", "0"], ["--dtype", "int8"], ["--max-batch-size", "x"],
+                                  ["--device", "gpu"], ["--device", "cuda:x"], ["--device", "cuda:"]])
 def test_bad_values_are_refused_at_start(argv):
     with pytest.raises(SystemExit):
         load_settings(argv, environ={})
+
+
+def test_a_bad_value_is_one_line_on_stderr_not_the_usage(capsys):
+    with pytest.raises(SystemExit) as exited:
+        load_settings(["--max-batch-size", "0"], environ={})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "encode-server: error: --max-batch-size must be at least 1, got 0\n"
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:7"])
+def test_accepted_devices(device):
+    assert load_settings(["--device", device], environ={}).device == device
 
 
 def test_bad_env_value_is_refused_with_its_name():

@@ -204,6 +204,21 @@ def test_corrupt_image_fails_ranks_registered_before_and_after_within_a_second(s
         assert obj.grid_dim is None and obj.dtype is None and obj.shape is None and obj.embedding is None
 
 
+def test_native_receiver_fed_by_an_sglang_encoder_fails_at_once_naming_the_fix(server):
+    """The mismatch a new user hits: our EmbeddingReceiver behind an encoder started with --wire-format sglang.
+    The get fails within seconds (not its 30 s timeout) and says what to change."""
+    from encode_server.receiver import EmbeddingReceiver, WireFormatMismatch
+
+    with EmbeddingReceiver() as receiver:
+        response = post(server, {"req_id": "mixed-up", "modality": "image", "mm_items": [image_b64(56, 56)],
+                                 "prefill_host": "127.0.0.1", "embedding_port": receiver.port})
+        assert response.status_code == 200
+        started = time.monotonic()
+        with pytest.raises(WireFormatMismatch, match="--wire-format native"):
+            receiver.get("mixed-up", timeout=30)
+        assert time.monotonic() - started < 5
+
+
 def test_embedding_port_without_prefill_host_is_still_400(server):
     response = post(server, {"req_id": "nohost", "modality": "image", "mm_items": [image_b64(56, 56)],
                              "embedding_port": 5555})

@@ -42,6 +42,23 @@ class Ticket:
         return self.started + self.timeout_s
 
 
+def unsupported_modality_message(adapter: EncoderAdapter, modality: str) -> str:
+    """Why this server refuses `modality`, and which models (built-in ones first) encode it."""
+    from processors.registry import families_encoding
+
+    message = (f"model {adapter.info.name!r} does not encode {modality} "
+               f"(it encodes: {', '.join(adapter.info.modalities)})")
+    families = families_encoding(modality)
+    if not families:
+        return message
+    builtins = [name for family in families for name in family.builtins]
+    which = (f"the family {families[0].name}" if len(families) == 1
+             else f"the families {', '.join(family.name for family in families)}")
+    start = f"--model {' or '.join(builtins)}, or with " if builtins else "--model "
+    return (f"{message}; {modality} is encoded by {which}: send it to an encoder started with {start}"
+            f"a checkpoint folder of {'that family' if len(families) == 1 else 'one of them'}")
+
+
 class Admission:
     """Validates requests, admits them or refuses them, and counts those in flight."""
 
@@ -73,12 +90,10 @@ class Admission:
         except ValidationError as exc:
             raise EncodeError(400, describe_validation_error(exc), request_id_of(payload)) from None
         if not self.adapter.supports(request.modality):
-            supported = ", ".join(self.adapter.info.modalities)
-            raise EncodeError(400, f"model {self.adapter.info.name!r} does not encode {request.modality} "
-                                   f"(it encodes: {supported})", request.req_id)
+            raise EncodeError(400, unsupported_modality_message(self.adapter, request.modality), request.req_id)
         if request.timeout_s is not None and request.timeout_s > self.settings.req_timeout_s:
             raise EncodeError(400, f"timeout_s {request.timeout_s:g} is above the server's limit of "
-                                   f"{self.settings.req_timeout_s:g} s", request.req_id)
+                                   f"{self.settings.req_timeout_s:g} s (--req-timeout-s)", request.req_id)
         if request.priority > self.settings.max_priority:
             raise EncodeError(400, f"priority: must be at most {self.settings.max_priority} (--max-priority), "
                                    f"got {request.priority}", request.req_id)
@@ -118,10 +133,12 @@ class Admission:
         error = self.refusal()
         if error is None and len(self._in_flight) >= self.settings.max_pending and (
                 key in self._in_flight or not self._evicted_for(request)):
-            error = EncodeError(503, f"overloaded: {self.settings.max_pending} requests pending",
+            error = EncodeError(503, f"overloaded: {self.settings.max_pending} requests pending (--max-pending); "
+                                     "retry after Retry-After, or add encoders",
                                 headers={"Retry-After": "1"})
         if error is None and key in self._in_flight:
-            error = EncodeError(409, f"req_id {request.req_id!r} part {request.part_idx} is already in flight")
+            error = EncodeError(409, f"req_id {request.req_id!r} part {request.part_idx} is already in flight: "
+                                     "each request part needs its own (req_id, part_idx) while it runs")
         if error is not None:
             error.req_id = request.req_id
             self.metrics.requests_total.labels(request.modality, str(error.status)).inc()

@@ -15,6 +15,11 @@ batch-size histogram. Writes `results.json` and PNG plots into `--out`.
     encode-bench --compare on,off,ray,ceiling --concurrency 1,16,64 --rates 50,150,300 --out bench-results
     encode-bench --compare cache-on,cache-off --workload chat,unique --concurrency 1,32 --rates 100 --out bench-cache
     encode-bench --url http://127.0.0.1:30000 --concurrency 8   # a server that is already running
+
+Every request's media is its own by default (the same pixels or samples, different bytes: see
+`workloads.py`), so a server's embedding cache does not answer the benchmark; each point prints the
+hit rate the server's `/metrics` counted during it, with a warning above `HIT_RATE_WARNING`.
+`--repeat-media` sends the same 32 items again and again instead.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import secrets
 import statistics
 import sys
 from pathlib import Path
@@ -36,15 +43,22 @@ from encode_server.ops.memory import cpu_seconds, resident_bytes
 #: Server configurations and the flags that make them (besides the model and batching settings).
 SERVER_CONFIGS = ("on", "off", "cache-on", "cache-off")
 
+#: Above this share of items answered by the server's embedding cache, a point measures the cache.
+HIT_RATE_WARNING = 0.10
+
 #: `/metrics` series read around every point (summed over their labels).
 POINT_METRICS = ("encoder_cache_hits_total", "encoder_cache_misses_total", "encoder_cache_bytes",
                  "encoder_batch_tokens_sum", "encoder_forward_seconds_count")
 
 
+#: Headers of every request to the server under test (`--api-key`).
+HEADERS: dict[str, str] = {}
+
+
 def batch_histogram(url: str) -> dict[str, float]:
     """Batches per size bucket, from `encoder_batch_size_bucket` (cumulative buckets made per-bucket)."""
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = httpx.get(url + "/metrics", timeout=10, headers=HEADERS).text
     except httpx.HTTPError:
         return {}
     cumulative: dict[str, float] = {}
@@ -71,7 +85,7 @@ def progress_bar(total: int, label: str):
 def scrape(url: str) -> dict[str, float]:
     """Every sample of `/metrics` summed by name over its labels ({} when the server has none)."""
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = httpx.get(url + "/metrics", timeout=10, headers=HEADERS).text
     except httpx.HTTPError:
         return {}
     totals: dict[str, float] = {}
@@ -119,7 +133,7 @@ def sweep(url: str, config: str, args, workload, pid: int | None = None) -> list
                 before["_cpu_s"] = cpu_seconds(pid)
 
         point = asyncio.run(generator(url, config, load, total, args.modality, workload, bar,
-                                      on_start=snapshot)).as_dict()
+                                      on_start=snapshot, headers=HEADERS)).as_dict()
         if bar is not None:
             bar.close()
         point["workload"] = workload.name
@@ -146,6 +160,34 @@ def report(point: dict) -> None:
     print(f"{point.get('workload', ''):7s}{point['config']:10s} {point['mode']:6s} {load:>8s}  "
           f"{point['throughput_rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f}  p99 {point['p99_ms']:7.1f} ms  "
           f"batch {point['mean_batch_size']:5.1f}  errors {point['errors']}{extras}", flush=True)
+    warning = hit_rate_warning(point)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def hit_rate_warning(point: dict) -> str | None:
+    """A warning when the server's embedding cache answered more than `HIT_RATE_WARNING` of a point's items."""
+    rate = point.get("hit_rate")
+    if rate is None or rate <= HIT_RATE_WARNING or point.get("config") == "cache-on":
+        return None
+    return (f"warning: the server's embedding cache answered {100 * rate:.0f}% of the items at this point: the "
+            f"figures measure the cache, not the encoder (the media repeat: leave out --repeat-media, or start the "
+            f"server with --cache-bytes 0)")
+
+
+def run_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The share of item lookups the server's cache answered between two scrapes (None: no lookups, or no
+    metrics to read)."""
+    hits = after.get("encoder_cache_hits_total", 0.0) - before.get("encoder_cache_hits_total", 0.0)
+    misses = after.get("encoder_cache_misses_total", 0.0) - before.get("encoder_cache_misses_total", 0.0)
+    return hits / (hits + misses) if hits + misses > 0 else None
+
+
+def describe_hit_rate(rate: float | None) -> str:
+    if rate is None:
+        return "none measured (the server's cache is off, or its /metrics could not be read)"
+    above = f" (above {100 * HIT_RATE_WARNING:g}%: the figures measure the cache)" if rate > HIT_RATE_WARNING else ""
+    return f"{100 * rate:.1f}%{above}"
 
 
 def cache_comparison(points: list[dict]) -> list[dict]:
@@ -259,6 +301,11 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     numbers = lambda kind: (lambda text: [kind(x) for x in text.split(",") if x])  # noqa: E731
     parser.add_argument("--url", help="benchmark this running server instead of starting servers")
+    parser.add_argument("--api-key", default=os.environ.get("ENCODER_API_KEY"),
+                        help="the server's --api-key, sent as 'Authorization: Bearer <key>' [env: ENCODER_API_KEY]")
+    parser.add_argument("--repeat-media", action="store_true",
+                        help="send the same 32 items again and again (single workload) instead of a unique copy per "
+                             "request: with the server's cache on, this measures the cache")
     parser.add_argument("--compare", type=lambda t: t.split(","), default=["on", "off", "ray", "ceiling"])
     parser.add_argument("--concurrency", type=numbers(int), default=[1, 16, 64])
     parser.add_argument("--rates", type=numbers(float), default=[50.0, 150.0, 300.0])
@@ -292,17 +339,24 @@ def main(argv=None) -> None:
     results: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                      "points": [], "batch_histograms": {}, "skipped": {}}
 
+    if args.api_key:
+        HEADERS["Authorization"] = f"Bearer {args.api_key}"
+    salt = secrets.token_hex(4)  # this run's media differ from an earlier run's against the same server
+
     def workload(name: str):
         return make_workload(name, args.modality, args.image_size, args.audio_seconds, args.chat_conversations,
-                             args.zipf)
+                             args.zipf, repeat=args.repeat_media, salt=salt)
 
     def label(config: str, name: str) -> str:
         return config if len(args.workload) == 1 else f"{name}:{config}"
 
     if args.url:
+        before = scrape(args.url)
         for name in args.workload:
             results["points"] += sweep(args.url, "given", args, workload(name))
         results["batch_histograms"]["given"] = batch_histogram(args.url)
+        results["hit_rate"] = run_hit_rate(before, scrape(args.url))
+        print(f"cache hit rate over the run: {describe_hit_rate(results['hit_rate'])}", flush=True)
     servers = [] if args.url else [config for config in args.compare if config in SERVER_CONFIGS]
     for repeat in range(args.repeat):  # rounds alternate the configurations, so drifts in load hit all
         for name in args.workload:  # the configurations of one workload run back to back

@@ -109,8 +109,8 @@ class _Client:
             self.progress.update(1)
 
 
-def _session(limit: int) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+def _session(limit: int, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=300))
 
 
@@ -137,11 +137,11 @@ async def _warm_up(session: aiohttp.ClientSession, url: str, modality: str, work
 
 
 async def closed_loop(url: str, config: str, concurrency: int, total: int, modality: str, workload,
-                      progress=None, on_start=None) -> LoadResult:
+                      progress=None, on_start=None, headers: dict[str, str] | None = None) -> LoadResult:
     """`concurrency` clients, each sending its next request as soon as the last is answered. `workload`
     is a `workloads` object or a plain list of payloads (one per request, cycling).
-    `on_start()` runs after the warm-up, just before the clock starts."""
-    async with _session(concurrency + 8) as session:
+    `on_start()` runs after the warm-up, just before the clock starts; `headers` go with every request."""
+    async with _session(concurrency + 8, headers) as session:
         workload = _Cycle(workload) if isinstance(workload, list) else workload
         await _warm_up(session, url, modality, workload, f"{config}-{concurrency}")
         client = _Client(session, url, modality, workload.requests(total), progress)
@@ -161,10 +161,10 @@ async def closed_loop(url: str, config: str, concurrency: int, total: int, modal
 
 
 async def open_loop(url: str, config: str, rate: float, total: int, modality: str, workload,
-                    progress=None, on_start=None, seed: int = 0) -> LoadResult:
+                    progress=None, on_start=None, seed: int = 0, headers: dict[str, str] | None = None) -> LoadResult:
     """Poisson arrivals at `rate` requests/s, whatever the server's answers (the load does not wait)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=total)
-    async with _session(1024) as session:
+    async with _session(1024, headers) as session:
         workload = _Cycle(workload) if isinstance(workload, list) else workload
         await _warm_up(session, url, modality, workload, f"{config}-{rate}")
         client = _Client(session, url, modality, workload.requests(total), progress)

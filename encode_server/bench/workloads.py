@@ -1,6 +1,8 @@
 """What the load generators send: each request's list of media items, made before the clock starts.
 
-- `single`: one item per request, cycling through 32 distinct images or clips (the batching benchmark).
+- `single`: one item per request (the batching benchmark): 32 distinct images or clips, each request's
+  copy made unique (below), so a server's embedding cache never answers it; with `repeat`, the 32
+  items themselves again and again (what a cache would answer).
 - `chat`: conversations of up to 4 turns; turn k sends the conversation's images 1..k (later turns
   re-send the earlier turns' images, as chat clients do), so a request carries 1 to 4 images. Each
   request picks a conversation with Zipf-like popularity (`p(rank) ~ 1 / rank^a`) and sends its next
@@ -10,8 +12,10 @@
   twice: the worst case for a cache, which then only costs (hashing, copying rows, bookkeeping).
 
 Distinct images are made cheaply: a small pool of random-pixel PNGs, each copy made unique by a
-`tEXt` chunk holding a nonce. Decoders ignore the chunk, so every copy costs the server exactly the
-same decode, preprocessing and forward, while its bytes (and so its cache key) are its own.
+`tEXt` chunk holding a nonce (audio clips: a WAV `LIST/INFO` comment chunk). Decoders ignore the
+chunk, so every copy costs the server exactly the same decode, preprocessing and forward, while its
+bytes (and so its cache key) are its own. A `salt` goes into every nonce: two runs against the same
+long-running server (`encode-bench --url`) then send different bytes too.
 """
 
 from __future__ import annotations
@@ -38,6 +42,22 @@ def png_with_nonce(png: bytes, nonce: str) -> bytes:
     return png[:-12] + chunk + png[-12:]
 
 
+def wav_with_nonce(wav: bytes, nonce: str) -> bytes:
+    """The same samples with a `LIST/INFO/ICMT` comment chunk holding `nonce` appended: different bytes."""
+    if wav[:4] != b"RIFF" or wav[8:12] != b"WAVE":
+        raise ValueError("not a RIFF/WAVE file")
+    text = nonce.encode() + b"\x00"
+    text += b"\x00" * (len(text) % 2)
+    info = b"INFO" + b"ICMT" + struct.pack("<I", len(text)) + text
+    body = wav[12:] + b"LIST" + struct.pack("<I", len(info)) + info
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WAVE" + body
+
+
+def with_nonce(modality: str, item: bytes, nonce: str) -> bytes:
+    """`item`'s file made unique by `nonce` without changing what it decodes to (PNG images, WAV clips)."""
+    return wav_with_nonce(item, nonce) if modality == "audio" else png_with_nonce(item, nonce)
+
+
 class _ImagePool:
     """Unique base64 PNGs on demand: pool image `n % POOL_SIZE` tagged with nonce `n`."""
 
@@ -51,16 +71,26 @@ class _ImagePool:
 
 
 class SingleWorkload:
-    """One item per request, cycling through 32 distinct payloads."""
+    """One item per request: 32 distinct payloads, each request's copy unique (or, with `repeat`, the same 32
+    payloads cycling)."""
 
     name = "single"
 
-    def __init__(self, modality: str, image_size: int = 56, audio_seconds: float = 1.0) -> None:
+    def __init__(self, modality: str, image_size: int = 56, audio_seconds: float = 1.0, repeat: bool = False,
+                 salt: str = "") -> None:
+        self.modality, self.repeat, self.salt = modality, repeat, salt
         self.payloads = make_payloads(modality, 32, image_size, audio_seconds)
+        self._raw = [base64.b64decode(payload) for payload in self.payloads]
         self._next = count()
 
+    def item(self, number: int) -> str:
+        if self.repeat:
+            return self.payloads[number % len(self.payloads)]
+        raw = with_nonce(self.modality, self._raw[number % len(self._raw)], f"single{self.salt}-{number}")
+        return base64.b64encode(raw).decode()
+
     def requests(self, total: int) -> list[list[str]]:
-        return [[self.payloads[next(self._next) % len(self.payloads)]] for _ in range(total)]
+        return [[self.item(next(self._next))] for _ in range(total)]
 
 
 class ChatWorkload:
@@ -69,13 +99,13 @@ class ChatWorkload:
     name = "chat"
 
     def __init__(self, image_size: int = 56, conversations: int = 256, zipf_a: float = 1.1, max_turns: int = 4,
-                 seed: int = 0) -> None:
+                 seed: int = 0, salt: str = "") -> None:
         self.max_turns = max_turns
         self._rng = np.random.default_rng(seed)
         weights = 1.0 / np.arange(1, conversations + 1) ** zipf_a
         self._popularity = weights / weights.sum()
         self._turn = np.zeros(conversations, dtype=np.int64)
-        pool = _ImagePool(image_size, "chat")
+        pool = _ImagePool(image_size, f"chat{salt}")
         self._images: dict[int, list[str]] = {}
         self._make = lambda conversation: [pool.image(conversation * max_turns + k) for k in range(max_turns)]
 
@@ -96,9 +126,9 @@ class UniqueWorkload:
 
     name = "unique"
 
-    def __init__(self, image_size: int = 56, max_turns: int = 4, seed: int = 0) -> None:
+    def __init__(self, image_size: int = 56, max_turns: int = 4, seed: int = 0, salt: str = "") -> None:
         self.max_turns = max_turns
-        self._pool = _ImagePool(image_size, f"unique{seed}")
+        self._pool = _ImagePool(image_size, f"unique{seed}{salt}")
         self._next_image = count()
         self._next_request = count()
 
@@ -111,14 +141,15 @@ WORKLOADS = ("single", "chat", "unique")
 
 
 def make_workload(name: str, modality: str, image_size: int, audio_seconds: float, conversations: int = 256,
-                  zipf_a: float = 1.1):
-    """A fresh workload (its state starts over, so every server configuration sees the same requests)."""
+                  zipf_a: float = 1.1, repeat: bool = False, salt: str = ""):
+    """A fresh workload (its state starts over, so every server configuration sees the same requests, up to
+    `salt`); `repeat`: the single workload cycles through its 32 items instead of sending unique copies."""
     if name == "single":
-        return SingleWorkload(modality, image_size, audio_seconds)
+        return SingleWorkload(modality, image_size, audio_seconds, repeat, salt)
     if modality != "image":
         raise ValueError(f"the {name} workload sends images only")
     if name == "chat":
-        return ChatWorkload(image_size, conversations, zipf_a)
+        return ChatWorkload(image_size, conversations, zipf_a, salt=salt)
     if name == "unique":
-        return UniqueWorkload(image_size)
+        return UniqueWorkload(image_size, salt=salt)
     raise ValueError(f"unknown workload {name!r}: expected one of {', '.join(WORKLOADS)}")

@@ -231,7 +231,8 @@ class Delivery:
             except asyncio.TimeoutError:
                 known = len(self.registrations.known_receivers(meta.req_id))
                 error = EncodeError(502, f"the receivers registered for {meta.req_id!r} did not reach their "
-                                         f"receive_count within {self.send_timeout_s:g} s ({known} registered)",
+                                         f"receive_count within {self.send_timeout_s:g} s ({known} registered; "
+                                         "--send-timeout-s)",
                                     meta.req_id)
                 self.notify_failure(meta, endpoints, error, await_registrations=True)
                 raise error from None

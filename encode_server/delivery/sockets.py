@@ -193,7 +193,8 @@ class EmbeddingSender:
             await self._socket(endpoint).send_when_writable(frames, self.send_timeout_s)
             return None
         except asyncio.TimeoutError:
-            return f"no receiver took the embedding within {self.send_timeout_s:g} s"
+            return (f"no receiver took the embedding within {self.send_timeout_s:g} s (--send-timeout-s): "
+                    "is a receiver bound there and reachable from the encoder?")
         except zmq.ZMQError as exc:
             return f"ZMQ error: {exc}"
 

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,34 +23,41 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import encode_server
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
+from encode_server.http.error_log import ErrorAnswerLog
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError, error_body
 from encode_server.service import EncoderService
 from processors import load_adapter
+from processors.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("encode_server.http")
 
 #: Bodies above this size are JSON-decoded in a worker thread (a 1 MiB body is ~1-2 ms of parsing: too long to
 #: hold the event loop; below this a thread hop costs more than it saves).
 _INLINE_JSON_LIMIT = 256 << 10
+#: Largest `/scheduler_receive_url` body.
+REGISTRATION_BYTES = 64 * 1024
 #: Status for a request whose client went away before its answer (nginx's convention).
 CLIENT_CLOSED = 499
 
 
 class ApiKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer <key>`, compared in constant time."""
+    """Every path but /health and (unless `metrics_require_key`) /metrics needs `Authorization: Bearer <key>`,
+    compared in constant time."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, metrics_require_key: bool = False) -> None:
         self.app = app
         self._key = api_key.encode()
+        self.open_paths = frozenset({"/health"} if metrics_require_key else {"/health", "/metrics"})
 
     @property
     def state(self):
         return self.app.state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
             if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
@@ -65,27 +73,33 @@ def error_response(error: EncodeError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def read_limited(declared: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
-    """A request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+#: What raises the limit of `/encode` bodies, named in its 413.
+ENCODE_LIMIT_REMEDY = "--max-request-bytes raises it"
+
+
+async def read_limited(declared: str | None, chunks: AsyncIterator[bytes], limit: int,
+                       remedy: str = ENCODE_LIMIT_REMEDY) -> bytes:
+    """A request body, refused with 413 as soon as it is known to exceed `limit` bytes; the 413's message
+    ends with `remedy`."""
     if declared is not None:
         try:
             size = int(declared)
         except ValueError:
             raise EncodeError(400, f"bad Content-Length header {declared!r}") from None
         if size > limit:
-            raise EncodeError(413, f"request body of {size} bytes is above the limit of {limit} bytes")
+            raise EncodeError(413, f"request body of {size} bytes is above the limit of {limit} bytes ({remedy})")
     parts: list[bytes] = []
     received = 0
     async for chunk in chunks:
         received += len(chunk)
         if received > limit:
-            raise EncodeError(413, f"request body is above the limit of {limit} bytes")
+            raise EncodeError(413, f"request body is above the limit of {limit} bytes ({remedy})")
         parts.append(chunk)
     return b"".join(parts)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    return await read_limited(request.headers.get("content-length"), request.stream(), limit)
+async def read_body(request: Request, limit: int, remedy: str = ENCODE_LIMIT_REMEDY) -> bytes:
+    return await read_limited(request.headers.get("content-length"), request.stream(), limit, remedy)
 
 
 async def answer_encode(service: EncoderService, limit: int, declared_length: str | None,
@@ -184,7 +198,10 @@ def create_app(settings: Settings, adapter=None, group=None):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         encoder = adapter or await asyncio.to_thread(load_adapter, settings.model, settings.device, settings.dtype)
+        log.info("warming up %s (one forward on a tiny input)", encoder.info.name)
+        warming = time.monotonic()
         await asyncio.to_thread(encoder.warmup)
+        log.info("warmed up in %.1f s; starting the scheduler", time.monotonic() - warming)
         service = EncoderService(settings, encoder, group, scheduler_thread=True)
         await service.start()
         if settings.ec_storage:
@@ -196,14 +213,14 @@ def create_app(settings: Settings, adapter=None, group=None):
         # under load stop scanning them (p99 at c=16 went from up to 290 ms to under 55 ms here).
         gc.collect()
         gc.freeze()
-        log.info("serving %s (%s) on %s with %s", encoder.info.name, encoder.info.family,
-                 encoder.device, encoder.dtype)
+        log.info("ready in %.1f s: serving %s (%s) on %s in %s", time.monotonic() - encode_server.IMPORTED_AT,
+                 encoder.info.name, encoder.info.family, encoder.device, DTYPE_NAMES[encoder.dtype])
         try:
             yield
         finally:
             await service.stop()
 
-    app = FastAPI(title="encode-server", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="encode-server", version=encode_server.__version__, lifespan=lifespan)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -224,7 +241,9 @@ def create_app(settings: Settings, adapter=None, group=None):
     async def scheduler_receive_url(request: Request) -> Response:
         payload: Any = None
         try:
-            payload = parse_json(await read_body(request, 64 * 1024))
+            payload = parse_json(await read_body(request, REGISTRATION_BYTES,
+                                                 "a registration is a small JSON object: req_id, receive_url, "
+                                                 "receive_count"))
             return JSONResponse(await request.app.state.service.register_receiver(payload))
         except EncodeError as error:
             if error.req_id is None:
@@ -258,4 +277,6 @@ def create_app(settings: Settings, adapter=None, group=None):
     add_openai_routes(app, settings)
 
     served = EncodeFastPath(app, settings.max_request_bytes)
-    return ApiKeyMiddleware(served, settings.api_key) if settings.api_key else served
+    if settings.api_key:
+        served = ApiKeyMiddleware(served, settings.api_key, settings.metrics_require_key)
+    return ErrorAnswerLog(served)

@@ -43,7 +43,7 @@ def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool 
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
-        raise MediaError(location, f"image too large: {exc}") from None
+        raise MediaError(location, f"image too large for PIL's decompression-bomb guard: {exc}") from None
     except UnidentifiedImageError:
         raise MediaError(location, "not a decodable image (unknown or corrupt format)") from None
     except Exception as exc:  # PIL raises many types for malformed headers
@@ -53,7 +53,8 @@ def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool 
         raise MediaError(location, f"image has no pixels ({width}x{height})")
     if width * height > max_pixels:
         raise MediaError(
-            location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}"
+            location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels} "
+                      f"(--max-image-pixels)"
         )
     if header_only and image.getexif().get(0x0112, 1) not in (5, 6, 7, 8):  # 0x0112: Orientation
         return image
@@ -79,7 +80,8 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float, location: st
         raise MediaError(location, "audio has no samples")
     duration = info.frames / info.samplerate
     if duration > max_seconds:
-        raise MediaError(location, f"audio of {duration:.2f} s is longer than the limit of {max_seconds:g} s")
+        raise MediaError(location, f"audio of {duration:.2f} s is longer than the limit of {max_seconds:g} s "
+                                   f"(--max-audio-seconds; or send it as several shorter clips)")
     try:
         wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as exc:
@@ -97,8 +99,9 @@ def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, loca
     try:
         import av
     except ImportError:
-        raise MediaError(location, "video files need the optional 'video' extra (PyAV); "
-                                   "send {\"frames\": [...]} instead") from None
+        raise MediaError(location, "video files need PyAV, which the server lacks: install the 'video' extra "
+                                   "(pip install 'encode-server[video]'), or send {\"frames\": [...]} instead"
+                         ) from None
     try:
         container = av.open(io.BytesIO(data))
     except Exception:
@@ -109,7 +112,8 @@ def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, loca
         stream = container.streams.video[0]
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > max_pixels:
-            raise MediaError(location, f"video frames of {width}x{height} pixels are above the limit of {max_pixels}")
+            raise MediaError(location, f"video frames of {width}x{height} pixels are above the limit of {max_pixels} "
+                                       f"(--max-image-pixels)")
         duration = None
         if stream.duration is not None and stream.time_base is not None:
             duration = float(stream.duration * stream.time_base)

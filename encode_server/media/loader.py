@@ -232,7 +232,7 @@ class MediaLoader:
         if source.kind == "frames":
             if len(source.value) > self.limits.max_video_frames:
                 raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
-                                                  f"{self.limits.max_video_frames}")
+                                                  f"{self.limits.max_video_frames} (--max-video-frames)")
             parts: bytes | MediaSource | list[bytes | MediaSource] = [
                 await self._raw_bytes(frame, "image") for frame in source.value]
         else:
@@ -266,7 +266,7 @@ class MediaLoader:
         if source.kind == "frames":
             if len(source.value) > self.limits.max_video_frames:
                 raise MediaError(source.location, f"{len(source.value)} frames is above the limit of "
-                                                  f"{self.limits.max_video_frames}")
+                                                  f"{self.limits.max_video_frames} (--max-video-frames)")
             frame_bytes = [await self._raw_bytes(frame, "image") for frame in source.value]
             return await loop.run_in_executor(
                 self._pool, self._decode_frames, frame_bytes, source, modality, describe
@@ -306,12 +306,13 @@ class MediaLoader:
                     raise MediaError(location, f"{url}: {refusal}")
                 if response.content_length is not None and response.content_length > self._max_fetch_bytes:
                     raise MediaError(location, f"{url} is {response.content_length} bytes, above the limit "
-                                               f"of {self._max_fetch_bytes}")
+                                               f"of {self._max_fetch_bytes} (--max-request-bytes)")
                 chunks, size = [], 0
                 async for chunk in response.content.iter_chunked(1 << 16):
                     size += len(chunk)
                     if size > self._max_fetch_bytes:
-                        raise MediaError(location, f"{url} is larger than {self._max_fetch_bytes} bytes")
+                        raise MediaError(location, f"{url} is larger than {self._max_fetch_bytes} bytes "
+                                                   f"(--max-request-bytes)")
                     chunks.append(chunk)
                 return b"".join(chunks)
         except MediaError:
@@ -343,7 +344,8 @@ class MediaLoader:
             raise MediaError(source.location, str(exc)) from None
         size = path.stat().st_size
         if size > self._max_fetch_bytes:
-            raise MediaError(source.location, f"the file is {size} bytes, above the limit of {self._max_fetch_bytes}")
+            raise MediaError(source.location, f"the file is {size} bytes, above the limit of {self._max_fetch_bytes} "
+                                              f"(--max-request-bytes)")
         return path.read_bytes()
 
     def _decode(self, raw: bytes | MediaSource, source: MediaSource, modality: str,

@@ -104,7 +104,8 @@ def resolve_local_path(raw: str, allowed_dir: str | None) -> Path:
     root = Path(allowed_dir).resolve()
     path = Path(os.path.normpath(path_text)).resolve()
     if path != root and root not in path.parents:
-        raise PermissionError(f"{raw!r} is outside the allowed media folder")
+        raise PermissionError(f"{raw!r} is outside the allowed media folder (--allowed-local-media-dir)")
     if not path.is_file():
-        raise PermissionError(f"{raw!r} is not a readable file in the allowed media folder")
+        raise PermissionError(f"{raw!r} is not a readable file in the allowed media folder "
+                              f"(--allowed-local-media-dir)")
     return path

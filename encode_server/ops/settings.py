@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import encode_server
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
 from processors.dtypes import DTYPES
@@ -30,6 +32,19 @@ def parse_bool(text: str | bool) -> bool:
     if value in ("0", "false", "no", "off", "n", "f"):
         return False
     raise ValueError(f"expected true or false, got {text!r}")
+
+
+#: `--device` values, as the error for any other names them.
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]+)$")
+
+
+def check_device(text: str) -> str:
+    """A `--device` value: auto, cpu, cuda or cuda:N (whether CUDA is there is checked at start-up)."""
+    if not _DEVICE.match(text):
+        raise ValueError(f"--device {text!r} is not a device: expected {DEVICE_CHOICES} "
+                         f"(N: the GPU's index, as nvidia-smi lists them)")
+    return text
 
 
 #: `--max-wait-ms auto`: the wait is chosen per decision from the learned cost curve.
@@ -76,7 +91,7 @@ OPTIONS: tuple[Option, ...] = (
            "HF_HUB_OFFLINE apply)"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),
-    Option("--device", str, "auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N"),
+    Option("--device", str, "auto", f"{DEVICE_CHOICES} (auto: cuda if available, else cpu)"),
     Option("--dtype", str, "auto", "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16",
            choices=("auto", *DTYPES)),
     Option("--max-batch-size", int, 32, "most requests fused into one encoder forward",
@@ -105,7 +120,10 @@ OPTIONS: tuple[Option, ...] = (
            "data-parallel replicas: whole copies of the encoder in this many processes (one per GPU), "
            "each batch to the least loaded"),
     Option("--api-key", str, None,
-           "when set, every endpoint but /health needs 'Authorization: Bearer <key>' (else 401)"),
+           "when set, every endpoint but /health and /metrics needs 'Authorization: Bearer <key>' (else 401)"),
+    Option("--metrics-require-key", parse_bool, False,
+           "with --api-key: /metrics needs the key too (Prometheus then sends it: authorization in its scrape "
+           "config); by default a scraper reads /metrics without it"),
     Option("--allow-private-urls", parse_bool, False,
            "allow fetching media from loopback, private and link-local addresses"),
     Option("--allowed-local-media-dir", str, None,
@@ -203,6 +221,7 @@ class Settings:
     tp_size: int = DEFAULTS["tp_size"]
     dp_size: int = DEFAULTS["dp_size"]
     api_key: str | None = DEFAULTS["api_key"]
+    metrics_require_key: bool = DEFAULTS["metrics_require_key"]
     allow_private_urls: bool = DEFAULTS["allow_private_urls"]
     allowed_local_media_dir: str | None = DEFAULTS["allowed_local_media_dir"]
     max_request_bytes: int = DEFAULTS["max_request_bytes"]
@@ -263,6 +282,7 @@ class Settings:
             raise ValueError(f"--req-timeout-s must be positive, got {self.req_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        check_device(self.device)
         if self.wire_format not in ("native", "sglang"):
             raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
         check_class_path(self.sglang_embedding_class)
@@ -317,8 +337,8 @@ def _env_default(option: Option, environ: Mapping[str, str]) -> Any:
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The CLI parser, with defaults taken from the environment."""
     environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(
-        prog="encode-server",
+    parser = _OneLineErrorParser(
+        prog="encode-server", usage="encode-server [options]  (encode-server --help lists them)",
         description="Multimodal encoder service: batches images, audio and video across requests into "
         "one encoder forward. Every flag also reads ENCODER_<FLAG>; the command line wins.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -336,7 +356,16 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         if option.choices:
             kwargs["choices"] = option.choices
         parser.add_argument(option.flag, **kwargs)
+    parser.add_argument("--version", action="version", version=f"encode-server {encode_server.__version__}",
+                        help="print the version and exit")
     return parser
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """A bad flag or value is one line on stderr (exit status 2), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

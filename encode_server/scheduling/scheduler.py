@@ -262,7 +262,8 @@ class EncoderScheduler:
                 self._unqueued(pending)
         for pending in self._queues.pop_expired(now):
             self._unqueued(pending)
-            _fail(pending, EncodeError(504, "timed out waiting in the queue", pending.job.req_id))
+            _fail(pending, EncodeError(504, "timed out waiting in the queue (the request's timeout_s, at most "
+                                          "--req-timeout-s)", pending.job.req_id))
 
     def _prefetch(self) -> None:
         """Start preparing the first `prefetch_limit` queued requests (each modality's queue in the policy's
