@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import encode_server
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
+from encode_server.http.bodies import parse_json, read_body, read_limited
 from encode_server.http.error_log import ErrorAnswerLog
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError, error_body
@@ -71,35 +72,6 @@ class ApiKeyMiddleware:
 
 def error_response(error: EncodeError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-#: What raises the limit of `/encode` bodies, named in its 413.
-ENCODE_LIMIT_REMEDY = "--max-request-bytes raises it"
-
-
-async def read_limited(declared: str | None, chunks: AsyncIterator[bytes], limit: int,
-                       remedy: str = ENCODE_LIMIT_REMEDY) -> bytes:
-    """A request body, refused with 413 as soon as it is known to exceed `limit` bytes; the 413's message
-    ends with `remedy`."""
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise EncodeError(400, f"bad Content-Length header {declared!r}") from None
-        if size > limit:
-            raise EncodeError(413, f"request body of {size} bytes is above the limit of {limit} bytes ({remedy})")
-    parts: list[bytes] = []
-    received = 0
-    async for chunk in chunks:
-        received += len(chunk)
-        if received > limit:
-            raise EncodeError(413, f"request body is above the limit of {limit} bytes ({remedy})")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-async def read_body(request: Request, limit: int, remedy: str = ENCODE_LIMIT_REMEDY) -> bytes:
-    return await read_limited(request.headers.get("content-length"), request.stream(), limit, remedy)
 
 
 async def answer_encode(service: EncoderService, limit: int, declared_length: str | None,
@@ -173,15 +145,6 @@ class EncodeFastPath:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
                                 *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
         await send({"type": "http.response.body", "body": raw})
-
-
-def parse_json(body: bytes) -> Any:
-    if not body:
-        raise EncodeError(400, "empty body: expected a JSON object")
-    try:
-        return orjson.loads(body)
-    except (ValueError, RecursionError) as exc:  # orjson.JSONDecodeError is a ValueError
-        raise EncodeError(400, f"body is not valid JSON: {str(exc)[:200]}") from None
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -272,7 +235,7 @@ def create_app(settings: Settings, adapter=None, group=None):
     async def performance(request: Request) -> JSONResponse:
         return JSONResponse(await request.app.state.service.performance())
 
-    from encode_server.http.openai import add_openai_routes  # it imports this module's helpers
+    from encode_server.http.openai import add_openai_routes
 
     add_openai_routes(app, settings)
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from encode_server.admission.chat import media_parts
-from encode_server.http.app import parse_json, read_body
+from encode_server.http.bodies import parse_json, read_body
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.vllm_producer import StoredItem, VllmProducer
