@@ -246,8 +246,10 @@ def test_gated_repo_with_its_token_and_a_commit_revision(hub, repos, tmp_path):
 
 
 def test_unknown_name_still_lists_the_builtin_models(tmp_path):
-    stderr = start_fails(str(tmp_path / "no" / "such" / "folder"), {})
+    stderr = start_fails("no-such-model", {})  # neither a built-in, a path, nor org/name
     assert "unknown model" in stderr and "tiny-qwen2.5-vl" in stderr and "org/name" in stderr, stderr
+    stderr = start_fails(str(tmp_path / "no" / "such" / "folder"), {})  # a path is never taken for a Hub id
+    assert "does not exist" in stderr and "unknown model" not in stderr, stderr
 
 
 # --- every way a family chooses its tensors ----------------------------------------------------------
