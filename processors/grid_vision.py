@@ -57,6 +57,7 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
         config = tower.config
         self.patch_size = int(config.patch_size)
         self.merge_size = int(config.spatial_merge_size)
+        self.temporal_patch_size = int(config.temporal_patch_size)
         for what, processor in (("image", image_processor), ("video", video)):
             if (int(processor.patch_size), int(processor.merge_size)) != (self.patch_size, self.merge_size) or \
                     int(processor.temporal_patch_size) != int(config.temporal_patch_size):
