@@ -1,9 +1,9 @@
 """The adapter shared by vision towers fed Qwen-style patches and a `(t, h, w)` grid per item.
 
-Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers (`processors/omni.py`) cut an image or a
-video into `patch x patch` patches on a
-`t x h x w` grid (`t` counts groups of `temporal_patch_size` frames; an image is one group) and merge
-every `merge x merge` patches into one output row: `t * h * w / merge^2` rows per item. Images go
+Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers (`processors/omni.py`) cut an image
+or a video into `patch x patch` patches on a `t x h x w` grid (`t` counts groups of
+`temporal_patch_size` frames; an image is one group) and merge every `merge x merge` patches into one
+output row: `t * h * w / merge^2` rows per item. Images go
 through the family's PIL image processor in one call for the batch; videos through `VideoPatcher`
 (the family's video processor settings, no torchvision). What differs per family is how the image
 size is chosen (`image_size`) and how the tower is run (`run_tower`, which returns the rows).
