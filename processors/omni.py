@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from .base import ModelInfo, PreparedBatch
+from .base import ItemLayout, ModelInfo, PreparedBatch
 from .grid_vision import GridVisionAdapter, ImageSize, RunTower, transformers_class
 from .omni_audio import OmniAudio, OmniAudioRule
 from .packed_attention import use_packed_attention
-from .patch_embed import _to_host
+from .patch_embed import to_host
 from .video_patches import VideoPatcher
 
 #: Where an Omni checkpoint keeps the thinker's towers: `thinker.visual.*` as published, `thinker.model.visual.*`
@@ -60,7 +60,7 @@ class OmniThinkerAdapter(GridVisionAdapter):
         self.audio = audio
         self.sampling_rate = audio.sampling_rate  # the decoder resamples clips to it
 
-    def item_layout(self, modality: str, item: Any) -> Any:
+    def item_layout(self, modality: str, item: Any) -> ItemLayout:
         if modality == "audio":
             return self.audio.item_layout(item)
         return super().item_layout(modality, item)
@@ -73,13 +73,11 @@ class OmniThinkerAdapter(GridVisionAdapter):
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         if batch.modality == "audio":
-            return _to_host(self.audio.forward(self.audio_tower, batch, self.device, self.dtype))
+            return to_host(self.audio.forward(self.audio_tower, batch, self.device, self.dtype))
         return super().forward(batch)
 
-    def sample_encoded(self) -> tuple[str, bytes]:
-        return super().sample_encoded()  # an image: the health probe exercises the vision tower
-
     def warmup(self) -> None:
+        """Both towers (the health probe, an image, exercises the vision tower only)."""
         super().warmup()
         self.forward(self.preprocess("audio", [self.audio.sample_item()]))
 
