@@ -265,7 +265,7 @@ class EncoderService:
                                                  awaits_registrations(request))
         part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
         return part, await encode_response(meta, part, request.return_embedding, self.metrics,
-                                           self.adapter.info.deepstack)
+                                           self.adapter.info.deepstack_of(meta.modality))
 
     async def _encode_items(self, meta: PartMeta, raw_items: list[Any], deadline: float,
                             probe: bool = False, priority: int = 0) -> EncodedPart:
@@ -382,6 +382,7 @@ class EncoderService:
             "settings": self.settings.public_dict(),
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
                       "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,
+                      "row_widths": {modality: info.row_width_of(modality) for modality in info.modalities},
                       "device": str(self.adapter.device),
                       "dtype": DTYPE_NAMES[self.adapter.dtype]},
             "ranks": self.group.ranks() if self.group else [{"rank": 0, "pid": os.getpid(), "role": "tp",

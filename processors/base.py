@@ -86,11 +86,24 @@ class ModelInfo:
     #: Deepstack feature blocks after the main features in each row (Qwen3-VL): rows are
     #: `[tokens, hidden_size * (1 + deepstack)]`, `torch.cat([main] + deepstack, dim=-1)`.
     deepstack: int = 0
+    #: The modalities whose rows carry those blocks; None: every modality. Qwen3-Omni's image and video rows
+    #: carry them, its audio rows (another tower) are `[tokens, hidden_size]`.
+    deepstack_modalities: tuple[str, ...] | None = None
 
     @property
     def row_width(self) -> int:
         """The width of one embedding row: the main features and every deepstack block."""
         return self.hidden_size * (1 + self.deepstack)
+
+    def deepstack_of(self, modality: str) -> int:
+        """The deepstack blocks in the rows of this modality."""
+        if self.deepstack_modalities is not None and modality not in self.deepstack_modalities:
+            return 0
+        return self.deepstack
+
+    def row_width_of(self, modality: str) -> int:
+        """The width of this modality's rows."""
+        return self.hidden_size * (1 + self.deepstack_of(modality))
 
 
 class EncoderAdapter(ABC):

@@ -4,7 +4,8 @@ Only the encoder's modules are built (the language model never is), with weight 
 skipped, and only the encoder's tensors are read from the safetensors files (sharded ones through
 `model.safetensors.index.json`), each one memory-mapped and read on its own. Checkpoint keys may
 carry a leading `model.` (the layout `transformers` uses in memory) or not (the layout of published
-checkpoints); both are accepted.
+checkpoints); both are accepted. A family whose encoder sits deeper in the checkpoint (the Omni
+models' `thinker.`) names the prefixes to strip.
 Which family serves a folder (by `config.json`'s `model_type`) is `processors/registry.py`'s job;
 this module imports no family.
 
@@ -99,14 +100,29 @@ def _shard_files(folder: Path) -> dict[str, Path]:
     raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
-def load_encoder_weights(module: torch.nn.Module, folder: Path) -> None:
+#: What a checkpoint key may carry in front of the encoder module's own key.
+DEFAULT_PREFIXES = ("model.",)
+
+
+def _module_key(checkpoint_key: str, wanted: set[str], prefixes: tuple[str, ...]) -> str | None:
+    """The encoder module key a checkpoint key holds: itself, or itself without the first of `prefixes` that
+    makes it one; None for a tensor of another part of the model."""
+    if checkpoint_key in wanted:
+        return checkpoint_key
+    for prefix in prefixes:
+        if checkpoint_key.startswith(prefix) and checkpoint_key[len(prefix):] in wanted:
+            return checkpoint_key[len(prefix):]
+    return None
+
+
+def load_encoder_weights(module: torch.nn.Module, folder: Path, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> None:
     """Fill `module` (built without init) with its tensors from the folder, and only those."""
     wanted = set(module.state_dict().keys())
     files = _shard_files(folder)
     chosen: dict[str, str] = {}  # module key -> checkpoint key
     for checkpoint_key in files:
-        key = checkpoint_key.removeprefix("model.") if checkpoint_key not in wanted else checkpoint_key
-        if key in wanted and key not in chosen:
+        key = _module_key(checkpoint_key, wanted, prefixes)
+        if key is not None and key not in chosen:
             chosen[key] = checkpoint_key
     missing = sorted(wanted - set(chosen))
     if missing:
@@ -136,11 +152,13 @@ def read_tensors(folder: Path, files: dict[str, Path], chosen: dict[str, str]) -
     return state
 
 
-def load_encoder_modules(folder: Path, build: Callable[[], dict[str, torch.nn.Module]]) -> torch.nn.ModuleDict:
-    """Build the encoder's modules without random init, named as in the checkpoint, and load them."""
+def load_encoder_modules(folder: Path, build: Callable[[], dict[str, torch.nn.Module]],
+                         prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> torch.nn.ModuleDict:
+    """Build the encoder's modules without random init, named as in the checkpoint (after one of `prefixes`),
+    and load them."""
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
         modules = torch.nn.ModuleDict(build())
-    load_encoder_weights(modules, folder)
+    load_encoder_weights(modules, folder, prefixes)
     return modules

@@ -1,14 +1,15 @@
 """The adapter shared by vision towers fed Qwen-style patches and a `(t, h, w)` grid per item.
 
-Qwen3-VL (and Qwen3.5) and GLM-4V cut an image or a video into `patch x patch` patches on a
-`t x h x w` grid (`t` counts groups of `temporal_patch_size` frames; an image is one group) and merge
-every `merge x merge` patches into one output row: `t * h * w / merge^2` rows per item. Images go
+Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers (`processors/omni.py`) cut an image
+or a video into `patch x patch` patches on a `t x h x w` grid (`t` counts groups of
+`temporal_patch_size` frames; an image is one group) and merge every `merge x merge` patches into one
+output row: `t * h * w / merge^2` rows per item. Images go
 through the family's PIL image processor in one call for the batch; videos through `VideoPatcher`
 (the family's video processor settings, no torchvision). What differs per family is how the image
 size is chosen (`image_size`) and how the tower is run (`run_tower`, which returns the rows).
 
-Rows never depend on the items fused beside them: these towers attend within each frame of each
-item only, and their position embeddings come from each item's own grid.
+Rows never depend on the items fused beside them: these towers attend within each item only (or within
+windows of it, Qwen2.5-Omni's), and their position embeddings come from each item's own grid.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
         config = tower.config
         self.patch_size = int(config.patch_size)
         self.merge_size = int(config.spatial_merge_size)
+        self.temporal_patch_size = int(config.temporal_patch_size)
         for what, processor in (("image", image_processor), ("video", video)):
             if (int(processor.patch_size), int(processor.merge_size)) != (self.patch_size, self.merge_size) or \
                     int(processor.temporal_patch_size) != int(config.temporal_patch_size):

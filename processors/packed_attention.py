@@ -1,7 +1,8 @@
 """Packed attention for the Qwen-grid vision towers: every window of a batch in a few calls, not one call each.
 
 The towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4V attend within segments of one packed row
-sequence (`cu_seqlens`: each image, or each 8x8-patch window in Qwen2.5-VL's windowed blocks). Unless a
+sequence (`cu_seqlens`: each image, or each 8x8-patch window in Qwen2.5-VL's windowed blocks); so do the
+audio towers of Qwen2.5-Omni and Qwen3-Omni (each chunk or attention window of each clip). Unless a
 flash-attention implementation is configured, `transformers` splits the sequence and calls SDPA once per
 segment: a batch of eight camera images has ~1,000 windows, so each windowed block makes ~1,000 small
 calls, launch-bound on a GPU and a Python loop on a CPU. Configured with `PACKED_ATTENTION` (its name holds
@@ -115,12 +116,14 @@ def register() -> str:
     return PACKED_ATTENTION
 
 
-def use_packed_attention(tower: torch.nn.Module) -> bool:
+def use_packed_attention(tower: torch.nn.Module, blocks: str = "blocks", attention: str = "attn") -> bool:
     """Configure a Qwen-grid tower (its blocks' `attn` read `config._attn_implementation`) to attend with
-    `packed_attention`; False, and nothing changed, if its blocks are not of that kind."""
+    `packed_attention`; False, and nothing changed, if its blocks are not of that kind. The Omni audio towers,
+    which attend within `cu_seqlens` chunks alike, name theirs: `blocks="layers", attention="self_attn"`."""
     config = getattr(tower, "config", None)
-    blocks = getattr(tower, "blocks", None)
-    if config is None or not blocks or any(getattr(block.attn, "config", None) is not config for block in blocks):
+    layers = getattr(tower, blocks, None)
+    if config is None or not layers or \
+            any(getattr(getattr(layer, attention, None), "config", None) is not config for layer in layers):
         return False
     config._attn_implementation = register()
     return True

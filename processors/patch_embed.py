@@ -51,7 +51,7 @@ def patches_as_matmul(patch_embed: torch.nn.Module) -> bool:
     return True
 
 
-def _to_host(rows: torch.Tensor) -> torch.Tensor:
+def to_host(rows: torch.Tensor) -> torch.Tensor:
     """The rows in host memory; from a GPU through page-locked memory, which copies several times faster
     than to pageable memory (eight camera images through the 7B tower: 111 MB, 35 ms pageable on an H100)
     and comes from torch's caching host allocator, so a batch's buffer is reused once freed."""
@@ -79,7 +79,7 @@ class ItemPixelsForward:
     def forward(self, batch: Any) -> torch.Tensor:
         grid = batch.inputs["grid_thw"].to(self.device)
         rows = self.tower_rows(self._on_device(batch.inputs["pixel_values"]), grid, batch.modality)
-        return _to_host(rows)
+        return to_host(rows)
 
     @torch.inference_mode()
     def forward_items(self, batches: Sequence[Any]) -> tuple[list[Any], torch.Tensor]:
@@ -89,4 +89,4 @@ class ItemPixelsForward:
         pixels = [self._on_device(batch.inputs["pixel_values"]) for batch in batches]
         grid = torch.cat([batch.inputs["grid_thw"] for batch in batches]).to(self.device)
         rows = self.tower_rows(pixels, grid, batches[0].modality)
-        return [layout for batch in batches for layout in batch.layouts], _to_host(rows)
+        return [layout for batch in batches for layout in batch.layouts], to_host(rows)

@@ -31,6 +31,8 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.gemma3",
     "processors.llava_onevision",
     "processors.mistral3",
+    "processors.qwen2_5_omni",
+    "processors.qwen3_omni_moe",
     "processors.generic",
 )
 

@@ -327,8 +327,20 @@ def qwen2_vl_video_settings_class() -> type:
                     size.pop("max_pixels", None)
                 super().__init__(size=size, **kwargs)
 
+        # Pickled by reference under this module's name (resolved by `__getattr__` below), so an adapter that
+        # holds these settings reaches preprocessing workers.
+        Qwen2VLVideoProcessor.__module__ = __name__
+        Qwen2VLVideoProcessor.__qualname__ = _QWEN2_VL_SETTINGS_NAME
         _QWEN2_VL_SETTINGS = Qwen2VLVideoProcessor
     return _QWEN2_VL_SETTINGS
 
 
 _QWEN2_VL_SETTINGS: type | None = None
+_QWEN2_VL_SETTINGS_NAME = "Qwen2VLVideoSettings"
+
+
+def __getattr__(name: str) -> Any:
+    """The settings twin by its pickled name, built on first use (importing this module stays cheap)."""
+    if name == _QWEN2_VL_SETTINGS_NAME:
+        return qwen2_vl_video_settings_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,8 @@ Checks, in both of SGLang's ZMQ modes:
   frames alone: the tokenizer's dispatch error is not forwarded to the ranks); a request nobody
   registers for giving 502 after `--send-timeout-s`.
 Embeddings must be byte-identical to our own `return_embedding` output and grids equal to ours.
-Not run by CI (the install is several GB).
+Then the Omni families against SGLang's language side (`omni_language_side`, its own section below;
+`--only-omni` runs only those). Not run by CI (the install is several GB).
 """
 
 from __future__ import annotations
@@ -339,11 +340,294 @@ def registry_round_trip(flags: tuple[str, ...]) -> None:
         registry.close()
 
 
+# --- Omni families: SGLang's language side (`get_mm_data`) on our rows -----------------------------
+#
+# For each of `qwen2_5_omni` and `qwen3_omni_moe`, a tiny full checkpoint (tests/omni_checkpoints.py) is
+# served with `--wire-format sglang`, and for each modality SGLang's tokenizer-side receiver takes our parts
+# and hands them, merged, to the model's own language-side processor, `QwenVLImageProcessor`, through
+# `get_validated_mm_data` (which also checks that every row received is consumed). Its constructor runs as
+# shipped except the shared base `__init__` (it needs a published server config), replaced by one that sets
+# `hf_config` and the processor. Checked per modality: the placeholder tokens `get_mm_data` builds into
+# `input_ids` (per item and in all) equal our rows and the placeholder tokens the transformers full processor
+# inserts for the same decoded items; the rows it slices equal our `return_embedding` bytes; audio's
+# `audio_feature_lens` equal the processor's `feature_attention_mask`; video's `second_per_grid_ts` equal the
+# processor's `video_second_per_grid` at `--video-fps`. Neither Omni processor inserts timestamp text, and
+# SGLang's get_mm_data for these model types reads no `video_timestamps`.
+#
+# Two things cannot be driven exactly as in production, and the steps say so:
+# - videos: SGLang dispatches a video as a URL only (a file, which our server decodes with PyAV; the side
+#   venv has none), so the video part is requested by a plain POST in SGLang's request form (its part id,
+#   `prefill_host`, `embedding_port`) with the frames as a list; the receive, merge and `get_mm_data` are
+#   SGLang's;
+# - qwen2_5_omni: SGLang 0.5.23 lists Qwen2_5OmniForConditionalGeneration for EPD but has no model and no
+#   registered processor for it, and `QwenVLImageProcessor` reads the token ids from the top-level config,
+#   where Qwen2.5-Omni has none; its `qwen2_5_omni` branch of `get_mm_data` (the audio count) is driven with
+#   the thinker config, relabelled `qwen2_5_omni`.
+
+OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen3_omni_moe")
+OMNI_VIDEO_FPS = 2.0
+OMNI_PLACEHOLDERS = {"image": "image_token", "video": "video_token", "audio": "audio_token"}
+OMNI_BOUNDARIES = {"image": ("vision_bos_token", "vision_eos_token"), "video": ("vision_bos_token", "vision_eos_token"),
+                   "audio": ("audio_bos_token", "audio_eos_token")}
+
+
+def allow_missing_einops() -> None:
+    """`sglang.srt.models.qwen3_vl` imports `einops` at the top for code the language-side processor never runs;
+    the side venv may lack it. A stand-in that fails if called is installed only then."""
+    import importlib.util
+
+    if importlib.util.find_spec("einops") is None:
+        stand_in = types.ModuleType("einops")
+
+        def rearrange(*args, **kwargs):
+            raise RuntimeError("einops stand-in: not installed in this venv")
+
+        stand_in.rearrange = rearrange
+        sys.modules["einops"] = stand_in
+
+
+def omni_language_processor(folder, model_type: str):
+    """SGLang's `QwenVLImageProcessor` for the folder, and the transformers full processor it wraps."""
+    from unittest import mock
+
+    from sglang.srt.multimodal.processors import base_processor
+    from sglang.srt.multimodal.processors.qwen_vl import QwenVLImageProcessor
+    from transformers import AutoConfig, AutoProcessor
+
+    hf_config = AutoConfig.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    if model_type == "qwen2_5_omni":
+        hf_config = hf_config.thinker_config
+        hf_config.model_type = "qwen2_5_omni"
+
+    def base_init(self, hf_config, server_args, _processor, transport_mode=None, *args, **kwargs):
+        self.hf_config, self.server_args, self._processor = hf_config, server_args, _processor
+        self.transport_mode = transport_mode
+        self._tokenizer = _processor.tokenizer
+
+    with mock.patch.object(base_processor.BaseMultimodalProcessor, "__init__", base_init):
+        return QwenVLImageProcessor(hf_config, None, processor, None), processor
+
+
+#: What SGLang 0.5.23's `get_rope_index` raises for Qwen2.5-Omni prompts with images or videos.
+QWEN25_OMNI_ROPE_ERROR = "Unimplemented model type: qwen2_5_omni"
+
+
+class RecordingProcessor:
+    """The real language-side processor, keeping what SGLang hands it (`meta`, `embeddings`).
+
+    With `expansion_only` (Qwen2.5-Omni), a `get_mm_data` that stops in SGLang's `get_rope_index` on
+    `QWEN25_OMNI_ROPE_ERROR` is recorded (`error`) and the prompt's expansion is taken from the same
+    processor's `build_input_ids` on the grids SGLang merged (what `get_mm_data` calls before it)."""
+
+    def __init__(self, inner, expansion_only: bool = False) -> None:
+        self.inner = inner
+        self.expansion_only = expansion_only
+        self.meta = self.embeddings = self.error = None
+        self.prefer_tokenized_input = getattr(inner, "prefer_tokenized_input", False)
+
+    def get_validated_mm_data(self, prompt, embeddings, **meta):
+        self.meta, self.embeddings = meta, embeddings
+        try:
+            return self.inner.get_validated_mm_data(prompt, embeddings, **meta)
+        except RuntimeError as exc:
+            if not self.expansion_only or QWEN25_OMNI_ROPE_ERROR not in str(exc):
+                raise
+            self.error = str(exc)
+        input_ids, offsets, _ = self.inner.build_input_ids(prompt, meta.get("img_grid_thw"), meta.get("video_grid_thw"))
+        return types.SimpleNamespace(input_ids=input_ids, mm_items=[types.SimpleNamespace(offsets=[offset])
+                                                                    for offset in offsets], mrope_positions=None)
+
+
+def omni_items(model_type: str, modality: str) -> tuple[list, list]:
+    """(the items as sent, the same items decoded as our server decodes them)."""
+    import soundfile
+    from PIL import Image
+
+    from tests import omni_checkpoints
+
+    def png(image) -> str:
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    if modality == "image":
+        images = omni_checkpoints.sample_images()[:3]
+        return [png(image) for image in images], [Image.open(io.BytesIO(base64.b64decode(png(i)))).convert("RGB")
+                                                  for i in images]
+    if modality == "video":
+        clips = omni_checkpoints.sample_clips()
+        return [{"frames": [png(frame) for frame in clip]} for clip in clips], clips
+    sent, decoded = [], []
+    for clip in omni_checkpoints.sample_audio(model_type):
+        buffer = io.BytesIO()
+        soundfile.write(buffer, clip, omni_checkpoints.SAMPLING_RATE, format="WAV", subtype="FLOAT")
+        sent.append(base64.b64encode(buffer.getvalue()).decode())
+        decoded.append(soundfile.read(io.BytesIO(buffer.getvalue()), dtype="float32")[0])
+    return sent, decoded
+
+
+def omni_prompt(model_type: str, modality: str, count: int) -> str:
+    from tests.omni_checkpoints import TOKENS
+
+    tokens = TOKENS[model_type]
+    start, end = (tokens[name] for name in OMNI_BOUNDARIES[modality])
+    return "describe " + " and ".join(f"{start}{tokens[OMNI_PLACEHOLDERS[modality]]}{end}" for _ in range(count))
+
+
+async def omni_receive(url: str, model_type: str, modality: str, sent: list, prompt: str, processor):
+    """SGLang's receiver (tokenizer side) on one request; None if SGLang gave up (see its log)."""
+    import httpx
+    import zmq
+    import zmq.asyncio
+    from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP, create_part_req_id
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.utils.network import get_zmq_socket_on_host
+
+    receiver = MMReceiverHTTP.__new__(MMReceiverHTTP)  # what MMReceiverBase.__init__ sets on the tokenizer
+    receiver.context = zmq.asyncio.Context()
+    receiver.encoder_transfer_backend = "zmq_to_tokenizer"
+    receiver.encode_urls = [url]
+    receiver.host = "127.0.0.1"
+    receiver.recv_timeout = 60
+    receiver.model_type = model_type
+    if modality != "video":
+        field = {"image": "image_data", "audio": "audio_data"}[modality]
+        request = GenerateReqInput(text=prompt, rid=f"omni{time.monotonic_ns()}", **{field: list(sent)})
+        return await receiver.recv_mm_data(request, processor, prompt)
+    req_id = f"omni{time.monotonic_ns()}"
+    port, socket_ = get_zmq_socket_on_host(receiver.context, zmq.PULL, host="127.0.0.1")
+    body = {"req_id": create_part_req_id(req_id, 0), "num_parts": 1, "part_idx": 0, "modality": "VIDEO",
+            "mm_items": sent, "prefill_host": "127.0.0.1", "embedding_port": port}
+    async with httpx.AsyncClient(timeout=60) as client:
+        answer = await client.post(url + "/encode", json=body)
+    if answer.status_code != 200:
+        socket_.close()
+        raise RuntimeError(f"/encode answered {answer.status_code}: {answer.text}")
+    return await receiver._recv_mm_data(req_id, socket_, processor, prompt)
+
+
+def omni_reference(url: str, modality: str, sent: list) -> tuple[bytes, list[dict]]:
+    import httpx
+
+    response = httpx.post(url + "/encode", json={"req_id": f"ref-{time.monotonic_ns()}", "modality": modality,
+                                                 "mm_items": sent, "return_embedding": True}, timeout=60)
+    response.raise_for_status()
+    body = response.json()
+    return base64.b64decode(body["embedding"]), body["items"]
+
+
+def omni_full_processor_counts(hf_processor, model_type: str, modality: str, decoded: list) -> tuple[list, list]:
+    """Per item, alone: the placeholder tokens the transformers full processor inserts, and its audio frames
+    (`feature_attention_mask`) or video `video_second_per_grid`."""
+    from tests.omni_checkpoints import TOKENS, token_ids
+
+    placeholder = token_ids(model_type)[OMNI_PLACEHOLDERS[modality]]
+    text = [f"describe {TOKENS[model_type][OMNI_PLACEHOLDERS[modality]]}"]
+    counts, extra = [], []
+    for item in decoded:
+        if modality == "image":
+            out = hf_processor(text=text, images=[item], return_tensors="pt")
+        elif modality == "video":
+            out = hf_processor(text=text, videos=[item], fps=OMNI_VIDEO_FPS, return_tensors="pt")
+            extra.append(float(out["video_second_per_grid"][0]))
+        else:
+            out = hf_processor(text=text, audio=[item], return_tensors="pt")
+            extra.append(int(out["feature_attention_mask"].sum()))
+        counts.append(int((out["input_ids"] == placeholder).sum()))
+    return counts, extra
+
+
+def omni_check(url: str, model_type: str, modality: str, mm_processor, hf_processor) -> None:
+    from tests.omni_checkpoints import token_ids
+
+    notes = []
+    if model_type == "qwen2_5_omni":
+        notes.append("thinker config, SGLang has no qwen2_5_omni model")
+    if modality == "video":
+        notes.append("frames POSTed in SGLang's request form")
+    expansion = "build_input_ids" if model_type == "qwen2_5_omni" and modality != "audio" else "get_mm_data"
+    note = f" ({'; '.join(notes)})" if notes else ""
+    step = f"{model_type} {modality}: {expansion} placeholders == our rows == transformers' processor{note}"
+    try:
+        sent, decoded = omni_items(model_type, modality)
+        ours, items = omni_reference(url, modality, sent)
+        rows = [item["tokens"] for item in items]
+        prompt = omni_prompt(model_type, modality, len(sent))
+        recorder = RecordingProcessor(mm_processor, expansion_only=model_type == "qwen2_5_omni")
+        output = asyncio.run(omni_receive(url, model_type, modality, sent, prompt, recorder))
+        if output is None:
+            record(step, False, "SGLang's receiver returned None (see the log above)")
+            return
+        placeholder = token_ids(model_type)[OMNI_PLACEHOLDERS[modality]]
+        in_prompt = sum(1 for token in output.input_ids if token == placeholder)
+        per_item = [end - start + 1 for item in output.mm_items for start, end in item.offsets]
+        slices = [item.precomputed_embeddings for item in output.mm_items] if recorder.error is None \
+            else list(recorder.embeddings.values())  # the rows SGLang merged, as get_mm_data would slice them
+        spliced = b"".join(rows_.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                           for rows_ in slices)
+        theirs, extra = omni_full_processor_counts(hf_processor, model_type, modality, decoded)
+        meta = recorder.meta
+        ok = in_prompt == sum(rows) and per_item == rows == theirs and spliced == ours
+        built = "get_mm_data" if recorder.error is None else f"build_input_ids (get_mm_data: {recorder.error!r})"
+        details = [f"rows {rows}", f"{built} {per_item} ({in_prompt} in input_ids)", f"transformers {theirs}",
+                   f"rows {'identical' if spliced == ours else 'DIFFERENT'} to return_embedding"]
+        if modality == "audio":
+            lens = meta["audio_feature_lens"].tolist()
+            ok &= lens == extra == [item.get("mel_frames", lens[i]) for i, item in enumerate(items)]
+            details.append(f"audio_feature_lens {lens} (transformers' feature_attention_mask {extra})")
+        if modality == "video":
+            seconds = [float(value) for value in (meta.get("second_per_grid_ts") or [])]
+            ok &= seconds == extra
+            details.append(f"second_per_grid_ts {seconds} (transformers' video_second_per_grid {extra})")
+        positions = getattr(output, "mrope_positions", None)
+        if recorder.error is None:
+            ok &= positions is not None and tuple(positions.shape) == (3, len(output.input_ids))
+            details.append(f"mrope_positions {tuple(positions.shape) if positions is not None else None}")
+        record(step, ok, "; ".join(details))
+    except Exception:
+        record(step, False, traceback.format_exc()[-1500:])
+
+
+def omni_language_side() -> None:
+    """The Omni checks, one row per architecture and modality."""
+    import tempfile
+    from pathlib import Path
+
+    from encode_server.bench.launcher import ServerProcess
+    from tests.omni_checkpoints import checkpoint
+
+    allow_missing_einops()
+    with tempfile.TemporaryDirectory(prefix="omni-compat-") as work:
+        for seed, model_type in enumerate(OMNI_MODEL_TYPES, start=41):
+            _, folders = checkpoint(Path(work), model_type, seed, layouts=("nested",))
+            folder = folders["nested"]
+            mm_processor, hf_processor = omni_language_processor(folder, model_type)
+            with ServerProcess("--model", str(folder), "--wire-format", "sglang", "--device", "cpu",
+                               "--video-fps", str(OMNI_VIDEO_FPS), "--send-timeout-s", str(SEND_TIMEOUT_S)) as server:
+                for modality in ("image", "video", "audio"):
+                    omni_check(server.url, model_type, modality, mm_processor, hf_processor)
+
+
+def print_results() -> int:
+    width = max(len(step) for step, _, _ in RESULTS)
+    print("\n| step | result |\n| --- | --- |")
+    for step, ok, _ in RESULTS:
+        print(f"| {step.ljust(width)} | {'PASS' if ok else 'FAIL'} |")
+    passed = sum(ok for _, ok, _ in RESULTS)
+    print(f"\n{passed} passed, {len(RESULTS) - passed} failed")
+    return 0 if passed == len(RESULTS) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen2.5-vl")
+    parser.add_argument("--only-omni", action="store_true", help="run only the Omni language-side checks")
     args = parser.parse_args()
     quiet()
+    if args.only_omni:
+        omni_language_side()
+        return print_results()
     import httpx
     import sglang
 
@@ -373,6 +657,7 @@ def main() -> int:
             ranks.close()
         never_registered(first.url, image_a)
     registry_round_trip(flags)
+    omni_language_side()
     width = max(len(step) for step, _, _ in RESULTS)
     print("\n| step | result |\n| --- | --- |")
     for step, ok, _ in RESULTS:

@@ -15,16 +15,15 @@ class NativeWire:
 
     def __init__(self, adapter: EncoderAdapter) -> None:
         self._dtype = DTYPE_NAMES[adapter.dtype]
-        self._width = adapter.info.row_width
-        self._deepstack = adapter.info.deepstack
+        self._info = adapter.info
 
     def header(self, meta: PartMeta, part: EncodedPart | None, error: dict | None = None) -> Header:
         return Header(
             req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
             dtype=DTYPE_NAMES[part.embedding.dtype] if part is not None else self._dtype,
-            shape=tuple(part.embedding.shape) if part is not None else (0, self._width),
+            shape=tuple(part.embedding.shape) if part is not None else (0, self._info.row_width_of(meta.modality)),
             items=part.items_json() if part is not None else [],
-            error=error, deepstack=self._deepstack,
+            error=error, deepstack=self._info.deepstack_of(meta.modality),
         )
 
     def success_frames(self, meta: PartMeta, part: EncodedPart) -> Frames:

@@ -218,8 +218,9 @@ class SglangFrames:
 class SglangWire:
     """`--wire-format sglang`: the delivery's `WireFormat` in SGLang's frames.
 
-    `seconds_per_grid_step` is Qwen2.5-VL's `second_per_grid_ts` for every video item (its temporal
-    patch size over the sampling fps, as SGLang's own encoder computes it); None for other models.
+    `seconds_per_grid_step` is `second_per_grid_ts` for every video item (the temporal patch size over the
+    sampling fps, as SGLang's own encoder computes it) for the models whose language side reads it
+    (`SECONDS_PER_GRID_FAMILIES`); None for other models.
     """
 
     def __init__(self, embedding_class: str = EMBEDDING_CLASS, seconds_per_grid_step: float | None = None) -> None:
@@ -249,8 +250,15 @@ class SglangWire:
                                          modality=meta.modality, message=message, code=status)]
 
 
+#: The families whose SGLang language side takes videos' `second_per_grid_ts` (its M-RoPE positions follow
+#: time): the model types SGLang's own encoder computes it for (`preprocessor.py`, 0.5.23).
+SECONDS_PER_GRID_FAMILIES = ("qwen2_5_vl", "qwen2_5_omni", "qwen3_omni_moe")
+
+
 def seconds_per_grid_step(adapter: Any, video_fps: float) -> float | None:
-    """Qwen2.5-VL's seconds per temporal grid step (temporal patch size / sampling fps); None otherwise."""
-    if getattr(adapter.info, "family", None) != "qwen2_5_vl" or not hasattr(adapter, "temporal_patch_size"):
+    """Seconds per temporal grid step (temporal patch size / sampling fps) for the families that use it; None
+    for the others."""
+    if getattr(adapter.info, "family", None) not in SECONDS_PER_GRID_FAMILIES or \
+            not hasattr(adapter, "temporal_patch_size"):
         return None
     return adapter.temporal_patch_size / video_fps
