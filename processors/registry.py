@@ -31,6 +31,8 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.gemma3",
     "processors.llava_onevision",
     "processors.mistral3",
+    "processors.muse_spark",
+    "processors.dots3_note",
     "processors.generic",
 )
 
