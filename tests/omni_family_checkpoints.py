@@ -137,3 +137,15 @@ def dots3_note_checkpoint(folder: Path, chunk_seconds: int = 3):
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model, folder
+
+
+def wav_b64(wave: np.ndarray, rate: int) -> str:
+    """A clip as the base64 of a float32 WAV file (lossless, so the server decodes exactly `wave`)."""
+    import base64
+    import io
+
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave, rate, format="WAV", subtype="FLOAT")
+    return base64.b64encode(buffer.getvalue()).decode()

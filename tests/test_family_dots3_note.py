@@ -13,9 +13,11 @@ audio).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -25,9 +27,10 @@ from processors.checkpoint import CheckpointError
 from processors.dots3_note import FAMILY, audio_rows
 from processors.registry import family_for_model_type, load_checkpoint
 
-from .helpers import rel_diff
-from .omni_family_checkpoints import DOTS_SAMPLING_RATE, dots3_note_checkpoint, video, waveform
+from .helpers import ServerProcess, rel_diff
+from .omni_family_checkpoints import DOTS_SAMPLING_RATE, dots3_note_checkpoint, video, wav_b64, waveform
 from .other_family_checkpoints import random_image, spliced_rows
+from .test_families import BATCHING, embedding_of, png_b64, post_all
 
 CPU, F32 = torch.device("cpu"), torch.float32
 IMAGE_SIZES = [(60, 45), (130, 40), (30, 90), (100, 100)]
@@ -188,3 +191,40 @@ def test_an_image_processor_with_temporal_patches_is_refused(checkpoint, tmp_pat
     (broken / "processor_config.json").write_text(json.dumps(settings))
     with pytest.raises(CheckpointError, match="temporal patch 2.*temporal patch 1"):
         FAMILY.load(broken, CPU, F32)
+
+
+def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint, adapter, processor):
+    """Through the real server: four audio requests in one forward, each answered with its clip's own rows."""
+    model, folder = checkpoint
+
+    def alone(wave):
+        inputs = processor.feature_extractor([wave], sampling_rate=DOTS_SAMPLING_RATE, return_tensors="pt")
+        with torch.no_grad():
+            return model.model.get_audio_features(inputs["input_features"],
+                                                  inputs["chunk_sample_lengths"]).pooler_output
+
+    waves = [waveform(seconds, DOTS_SAMPLING_RATE, seed) for seed, seconds in enumerate([0.3, 4.0, 0.7, 2.0])]
+    with ServerProcess("--model", str(folder), *BATCHING) as server:
+        info = httpx.get(server.url + "/server_info").json()["model"]
+        assert info["family"] == "dots3_note" and info["modalities"] == ["image", "video", "audio"]
+        bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [wav_b64(wave, DOTS_SAMPLING_RATE)],
+                   "return_embedding": True} for i, wave in enumerate(waves)]
+        responses = asyncio.run(post_all(server.url, bodies))
+        for response, wave in zip(responses, waves):
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["batch_size"] == len(waves)
+            assert rel_diff(embedding_of(body), alone(wave)) <= 1e-5
+        assert [response.json()["items"][0]["tokens"] for response in responses] == [4, 51, 9, 25]
+        image, frames = images()[0], videos()[0]
+        for modality, item, expected in (("image", png_b64(image), adapter_rows(adapter, "image", image)),
+                                         ("video", {"frames": [png_b64(f) for f in frames]},
+                                          adapter_rows(adapter, "video", frames))):
+            response = httpx.post(server.url + "/encode", timeout=60, json={
+                "req_id": modality, "modality": modality, "mm_items": [item], "return_embedding": True})
+            assert response.status_code == 200, response.text
+            assert rel_diff(embedding_of(response.json()), expected) <= 1e-5
+
+
+def adapter_rows(adapter, modality, item):
+    return adapter.forward(adapter.preprocess(modality, [item]))
