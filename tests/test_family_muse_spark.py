@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -23,8 +25,9 @@ from processors.base import ItemError
 from processors.checkpoint import CheckpointError
 from processors.muse_spark import FAMILY
 from processors.registry import family_for_model_type, load_checkpoint
+from processors.sharding import ShardingError
 
-from .helpers import ServerProcess, rel_diff
+from .helpers import ROOT, ServerProcess, free_port, rel_diff
 from .omni_family_checkpoints import MUSE_SAMPLING_RATE, muse_spark_checkpoint, video, wav_b64, waveform
 from .other_family_checkpoints import random_image, spliced_rows
 from .test_families import BATCHING, embedding_of, png_b64, post_all
@@ -219,3 +222,31 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
 
 def adapter_rows(adapter, modality, item):
     return adapter.forward(adapter.preprocess(modality, [item]))
+
+
+def test_two_tensor_parallel_ranks_give_the_unsharded_rows(checkpoint, tmp_path):
+    out = tmp_path / "tp.json"
+    init_url = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.tp_modalities_worker", str(rank), "2", init_url, str(out),
+                               f"processors.muse_spark={checkpoint[1]}"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=240) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    results = json.loads(out.read_text())
+    assert set(results) == {"muse_spark/image", "muse_spark/video", "muse_spark/audio"}
+    for name, result in results.items():
+        assert result["rows"] > 0 and result["rel"] <= 1e-5, (name, result)
+        assert result["sharded_parameters"] == 2 * 12, result  # 2 blocks x 6 linears (q, k, v, proj, fc1, fc2) x 2
+
+
+def test_heads_that_do_not_split_are_refused(adapter):
+    class ThreeRanks:
+        def size(self) -> int:
+            return 3
+
+    with pytest.raises(ShardingError, match="4 attention heads do not split over 3"):
+        FAMILY.shard(adapter, ThreeRanks())
