@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -27,7 +31,7 @@ from processors.checkpoint import CheckpointError
 from processors.dots3_note import FAMILY, audio_rows
 from processors.registry import family_for_model_type, load_checkpoint
 
-from .helpers import ServerProcess, rel_diff
+from .helpers import ROOT, ServerProcess, rel_diff
 from .omni_family_checkpoints import DOTS_SAMPLING_RATE, dots3_note_checkpoint, video, wav_b64, waveform
 from .other_family_checkpoints import random_image, spliced_rows
 from .test_families import BATCHING, embedding_of, png_b64, post_all
@@ -228,3 +232,26 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
 
 def adapter_rows(adapter, modality, item):
     return adapter.forward(adapter.preprocess(modality, [item]))
+
+
+def test_from_the_hub_only_the_towers_bytes_are_read_experts_included(checkpoint, tmp_path):
+    """Through the Hub stand-in: the encoder-only folder holds every tower tensor (each expert's weights apart, as
+    published) and no language-model tensor, and gives the local folder's rows bit for bit."""
+    from .hub_stand_in import HubStandIn
+    from .test_hub_models import expected_bytes, header_of, hub_env
+
+    folder = checkpoint[1]
+    with HubStandIn({"org/dots3": folder}) as hub:
+        env = hub_env(hub, tmp_path / "home")
+        repos = json.dumps({"org/dots3": str(folder)})
+        result = subprocess.run([sys.executable, "-m", "tests.hub_family_check", repos], cwd=ROOT,
+                                env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outcome = json.loads(result.stdout.splitlines()[-1])["org/dots3"]
+        assert outcome["equal"] and outcome["family"] == "dots3_note", outcome
+        fetched = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
+        assert "vision_encoder.blocks.1.mlp.experts.3.fc1.weight" in fetched
+        assert not any(key.startswith(("model.", "lm_head")) for key in fetched)
+        assert all(key.startswith(("vision_encoder.", "audio_encoder.")) for key in fetched)
+        for name, size in expected_bytes(folder, fetched).items():
+            assert hub.served[("org/dots3", name)] == size, name
