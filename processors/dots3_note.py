@@ -43,7 +43,6 @@ from .base import ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .checkpoint import CheckpointError
 from .family import Family
 from .grid_vision import GridVisionAdapter, resize_rule
-from .muse_spark import require_torchvision
 from .video_patches import VideoPatcher, load_video_processor
 
 MODALITIES = ("image", "video", "audio")
@@ -146,7 +145,7 @@ def dots3_note_from_folder(folder: Path, device: torch.device, dtype: torch.dtyp
     from transformers import AutoFeatureExtractor, AutoImageProcessor, Dots3NoteConfig
     from transformers.models.dots3_note.modeling_dots3_note import Dots3NoteModel
 
-    from .vision_parts import load_vision_part
+    from .vision_parts import load_vision_part, require_torchvision
 
     require_torchvision("dots3_note")
     config = Dots3NoteConfig.from_pretrained(folder)

@@ -43,18 +43,9 @@ from PIL import Image
 from .base import ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .checkpoint import CheckpointError
 from .family import Family
-from .vision_parts import VisionPartAdapter, load_vision_part
+from .vision_parts import VisionPartAdapter, load_vision_part, require_torchvision
 
 MODALITIES = ("image", "video", "audio")
-
-
-def require_torchvision(family: str) -> None:
-    """Refuse to load a family whose processors need torchvision where it is not installed."""
-    from transformers.utils import is_torchvision_available
-
-    if not is_torchvision_available():
-        raise CheckpointError(f"{family}: its image and video processors need torchvision, which is not installed; "
-                              "install the torchvision build that matches torch (pip install torchvision)")
 
 
 class MuseSparkAdapter(VisionPartAdapter):

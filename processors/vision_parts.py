@@ -160,6 +160,15 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
     return model.to(device=device).eval()
 
 
+def require_torchvision(family: str) -> None:
+    """Refuse to load a family whose processors need torchvision where it is not installed."""
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        raise CheckpointError(f"{family}: its image and video processors need torchvision, which is not installed; "
+                              "install the torchvision build that matches torch (pip install torchvision)")
+
+
 def processor_settings(folder: Path) -> dict[str, Any]:
     """The folder's `processor_config.json` (the full processor's own settings), or `{}` without one."""
     path = folder / "processor_config.json"

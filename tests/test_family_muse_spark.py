@@ -250,3 +250,11 @@ def test_heads_that_do_not_split_are_refused(adapter):
 
     with pytest.raises(ShardingError, match="4 attention heads do not split over 3"):
         FAMILY.shard(adapter, ThreeRanks())
+
+
+def test_without_torchvision_the_folder_is_refused_naming_it(checkpoint, monkeypatch):
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
+    with pytest.raises(CheckpointError, match="muse_spark: its image and video processors need torchvision"):
+        FAMILY.load(checkpoint[1], CPU, F32)
