@@ -87,7 +87,8 @@ class Dots3NoteAdapter(GridVisionAdapter):
             ("hop length", audio.hop_length, feature_extractor.hop_length)) if int(ours) != int(theirs)]
         if mismatched:
             raise CheckpointError(f"{name}: the feature extractor does not match the audio encoder: " + ", ".join(
-                f"{what} {theirs} != {ours}" for what, ours, theirs in mismatched))
+                f"{what} {theirs} != {ours}" for what, ours, theirs in mismatched) + "; make the folder's "
+                "feature extractor settings match config.json's audio_config")
         self.feature_extractor = feature_extractor
         self.sampling_rate = int(feature_extractor.sampling_rate)
         self.chunk_samples = int(feature_extractor.n_samples)
@@ -104,7 +105,7 @@ class Dots3NoteAdapter(GridVisionAdapter):
         if not isinstance(item, np.ndarray) or item.ndim != 1:
             raise ItemError("expected a mono waveform")
         if item.shape[0] == 0:
-            raise ItemError("audio of 0 samples yields no embedding")
+            raise ItemError("audio of 0 samples yields no embedding: send a clip that holds samples")
         return self._audio_layout(audio_rows(int(item.shape[0]), self.chunk_samples, self.samples_per_row))
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:

@@ -66,7 +66,8 @@ class MuseSparkAdapter(VisionPartAdapter):
             theirs = (int(processor.patch_size), int(processor.merge_size), int(processor.temporal_patch_size))
             if theirs != tower:
                 raise CheckpointError(f"{name}: the {kind} processor's (patch, merge, temporal patch) {theirs} does "
-                                      f"not match the vision tower's {tower}")
+                                      f"not match the vision tower's {tower}: make the folder's processor settings "
+                                      "(processor_config.json) match config.json's vision_config")
             if not processor.do_resize:
                 raise CheckpointError(f"{name}: a {kind} processor with do_resize false is not supported: its row "
                                       "counts would not be known before preprocessing")
@@ -76,7 +77,9 @@ class MuseSparkAdapter(VisionPartAdapter):
         self.samples_per_token = int(config.audio_config.samples_per_token)
         if int(feature_extractor.samples_per_token) != self.samples_per_token:
             raise CheckpointError(f"{name}: the feature extractor pads to {feature_extractor.samples_per_token} "
-                                  f"samples but the audio tower collapses {self.samples_per_token} into a row")
+                                  f"samples but the audio tower collapses {self.samples_per_token} into a row: set "
+                                  "the feature extractor's samples_per_token to the product of "
+                                  "audio_config.patch_sizes")
         self.feature_extractor = feature_extractor
         self.sampling_rate = int(feature_extractor.sampling_rate)
         # `MuseSparkTextModel.embed_tokens.embed_norm`: weightless, so it needs nothing from the checkpoint.
@@ -111,7 +114,7 @@ class MuseSparkAdapter(VisionPartAdapter):
             if not isinstance(item, np.ndarray) or item.ndim != 1:
                 raise ItemError("expected a mono waveform")
             if item.shape[0] == 0:
-                raise ItemError("audio of 0 samples yields no embedding")
+                raise ItemError("audio of 0 samples yields no embedding: send a clip that holds samples")
             return self._audio_layout(int(item.shape[0]))
         if modality == "video":
             frames = check_frames(item)
@@ -181,7 +184,8 @@ def check_frames(item: Any) -> list[Image.Image]:
         raise ItemError("expected a video as a non-empty list of frames")
     sizes = {frame.size for frame in item}
     if len(sizes) > 1:
-        raise ItemError(f"video frames must all have one size, got {sorted(sizes)}")
+        raise ItemError(f"video frames must all have one size, got {sorted(sizes)}: send the frames of one video "
+                        "at one size")
     return item
 
 
