@@ -208,8 +208,7 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
                                                   inputs["chunk_sample_lengths"]).pooler_output
 
     waves = [waveform(seconds, DOTS_SAMPLING_RATE, seed) for seed, seconds in enumerate([0.3, 4.0, 0.7, 2.0])]
-    # Two preprocessing workers: each clip is prepared alone and the chunks collated into one forward.
-    with ServerProcess("--model", str(folder), *BATCHING, "--preprocess-workers", "2") as server:
+    with ServerProcess("--model", str(folder), *BATCHING) as server:
         info = httpx.get(server.url + "/server_info").json()["model"]
         assert info["family"] == "dots3_note" and info["modalities"] == ["image", "video", "audio"]
         bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [wav_b64(wave, DOTS_SAMPLING_RATE)],
