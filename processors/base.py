@@ -56,6 +56,13 @@ class ItemLayout:
     # Audio: the clip's length in feature-extractor (mel) frames, what SGLang's receiver takes as the
     # item's grid. Not part of equality: a layout is defined by its rows and grid.
     mel_frames: int | None = field(default=None, compare=False)
+    # What SGLang's receiver takes as the item's grid where the model's language side reads something other
+    # than `grid_thw` (or, for audio, `mel_frames`): a merged token grid, an audio clip's row count. Not part
+    # of equality.
+    receiver_grid: int | tuple[int, ...] | None = field(default=None, compare=False)
+    # A video's temporal clips: the frame position (an index into the frames as sampled) each clip's timestamp
+    # is taken at; the SGLang wire divides them by the sampling fps into `video_timestamps`. Not part of equality.
+    clip_frames: tuple[float, ...] | None = field(default=None, compare=False)
 
     def as_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "grid_thw": list(self.grid_thw)}

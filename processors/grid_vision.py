@@ -58,14 +58,15 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
         config = tower.config
         self.patch_size = int(config.patch_size)
         self.merge_size = int(config.spatial_merge_size)
-        self.temporal_patch_size = int(config.temporal_patch_size)
+        # A tower with a 2-D patch embedding (Dots3-Note) names no temporal patch: it takes one frame per patch.
+        self.temporal_patch_size = temporal_patch_size = int(getattr(config, "temporal_patch_size", 1))
         for what, processor in (("image", image_processor), ("video", video)):
             if (int(processor.patch_size), int(processor.merge_size)) != (self.patch_size, self.merge_size) or \
-                    int(processor.temporal_patch_size) != int(config.temporal_patch_size):
+                    int(processor.temporal_patch_size) != temporal_patch_size:
                 raise ValueError(
                     f"{what} processor (patch {processor.patch_size}, merge {processor.merge_size}, temporal patch "
                     f"{processor.temporal_patch_size}) does not match the vision tower (patch {self.patch_size}, "
-                    f"merge {self.merge_size}, temporal patch {config.temporal_patch_size})")
+                    f"merge {self.merge_size}, temporal patch {temporal_patch_size})")
 
     def sample_item(self) -> tuple[str, Any]:
         side = 2 * self.patch_size * self.merge_size

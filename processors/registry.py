@@ -33,6 +33,8 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.mistral3",
     "processors.qwen2_5_omni",
     "processors.qwen3_omni_moe",
+    "processors.muse_spark",
+    "processors.dots3_note",
     "processors.generic",
 )
 

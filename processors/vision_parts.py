@@ -9,8 +9,9 @@ model's base class (e.g. `Gemma3Model`) is constructed on the meta device (no me
 - checkpoint keys are renamed with `transformers`' own conversion mapping for that class
   (`get_model_conversion_mapping` + `rename_source_key`), so published layouts
   (`vision_tower.vision_model.*`, `language_model.model.*`) and the layout `save_pretrained`
-  writes today both load; a key that needs a conversion *operation* (split, concatenate, ...)
-  rather than a rename is refused;
+  writes today both load; tensors that need a conversion *operation* (per-expert weights stacked
+  into one, gate and up concatenated, ...) are gathered and converted by that mapping's own
+  `WeightConverter`, as `from_pretrained` does;
 - only the kept modules' tensors are read from the safetensors shards;
 - non-persistent buffers (position ids, rotary frequencies) are filled by the model's own
   `initialize_weights`, exactly as `from_pretrained` fills them.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,28 +67,65 @@ def build_without_language_model(model_class: type, config: Any, dtype: torch.dt
     return model
 
 
-def _checkpoint_keys_for(model: torch.nn.Module, files: dict[str, Path], folder: Path) -> dict[str, str]:
-    """Model key -> checkpoint key, through `transformers`' own renaming rules for this model."""
+@dataclass
+class LoadPlan:
+    """Which checkpoint tensors fill which model tensors: plain (renamed) copies, and conversions."""
+
+    copies: dict[str, str] = field(default_factory=dict)  # model key -> checkpoint key
+    # first target key -> a copy of the mapping's `WeightConverter` holding its source keys, in checkpoint order
+    conversions: dict[str, Any] = field(default_factory=dict)
+
+    def filled_keys(self) -> set[str]:
+        """The model keys this plan fills (a converter fills its first target key and any siblings it names)."""
+        return set(self.copies) | {key for mapping in self.conversions.values() for key in mapping.layer_targets}
+
+    def sources(self) -> list[str]:
+        """The checkpoint keys the conversions read, in checkpoint order."""
+        return [source for mapping in self.conversions.values()
+                for sources in mapping.collected_tensors.values() for source in sources]
+
+    def read(self, folder: Path, files: dict[str, Path], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every model tensor the plan fills: the copies and the conversions' outputs, from one `read_tensors`
+        call (the one `encoder_keys_of` stops at), each conversion run by its own `WeightConverter`."""
+        sources = self.sources()
+        clash = sorted(set(sources) & set(self.copies))
+        if clash:
+            raise CheckpointError(f"{folder}: {clash[0]} is both an encoder tensor and a conversion's source")
+        tensors = read_tensors(folder, files, {**self.copies, **{source: source for source in sources}})
+        state = {key: tensors[key] for key in self.copies}
+        for first_key, mapping in self.conversions.items():
+            for pattern, keys in mapping.collected_tensors.items():
+                mapping.collected_tensors[pattern] = [lambda key=key: tensors[key] for key in keys]
+            for key, value in mapping.convert(first_key, model=model, config=model.config).items():
+                state[key] = value[0] if isinstance(value, list) else value
+        return state
+
+
+def plan_loading(model: torch.nn.Module, files: dict[str, Path]) -> LoadPlan:
+    """Model key -> checkpoint key, through `transformers`' own renaming and conversion rules for this model."""
+    import copy
+
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     wanted = model.state_dict()
-    chosen: dict[str, str] = {}
-    for checkpoint_key in sorted(files):
-        key, converter_pattern = rename_source_key(checkpoint_key, renamings, converters,
-                                                   model.base_model_prefix, wanted)
+    plan = LoadPlan()
+    for checkpoint_key in sorted(files, key=dot_natural_key):  # expert 2 before expert 10, as from_pretrained
+        key, pattern = rename_source_key(checkpoint_key, renamings, converters, model.base_model_prefix, wanted)
         if key not in wanted and checkpoint_key in wanted:
-            key, converter_pattern = checkpoint_key, None
+            key, pattern = checkpoint_key, None
         if key not in wanted:
             continue
-        if converter_pattern is not None:
-            raise CheckpointError(f"{folder}: encoder tensor {checkpoint_key} needs the conversion "
-                                  f"{converter_pattern!r}, which only a full from_pretrained applies")
-        chosen.setdefault(key, checkpoint_key)
-    return chosen
+        if pattern is None:
+            plan.copies.setdefault(key, checkpoint_key)
+        else:
+            mapping = plan.conversions.setdefault(key, copy.deepcopy(by_pattern[pattern]))
+            mapping.add_tensor(key, checkpoint_key, pattern, checkpoint_key)
+    return plan
 
 
 def load_vision_part(folder: Path, model_class: type, config: Any, device: torch.device,
@@ -94,22 +133,40 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
     """The base model without its language model, filled from the folder's safetensors, on `device`."""
     model = build_without_language_model(model_class, config, dtype)
     files = _shard_files(folder)
-    chosen = _checkpoint_keys_for(model, files, folder)
+    plan = plan_loading(model, files)
     wanted = model.state_dict()
-    missing = sorted(set(wanted) - set(chosen))
+    filled = plan.filled_keys()
+    missing = sorted(set(wanted) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
-    state = {key: tensor.to(wanted[key].dtype) for key, tensor in read_tensors(folder, files, chosen).items()}
+    state = plan.read(folder, files, model)
+    unexpected = sorted(set(state) - set(wanted))
+    if unexpected:
+        raise CheckpointError(f"{folder}: conversions produced tensors the model does not have: {unexpected[:5]}")
+    for key, tensor in state.items():
+        if tensor.shape != wanted[key].shape:
+            raise CheckpointError(f"{folder}: tensor {key} has shape {list(tensor.shape)}, the model expects "
+                                  f"{list(wanted[key].shape)}")
+        state[key] = tensor.to(wanted[key].dtype)
     model.to_empty(device="cpu")
     # Everything the checkpoint holds is marked initialised, so `initialize_weights` fills only the
     # non-persistent buffers, as `from_pretrained` does; the loaded tensors are assigned after it anyway.
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name in chosen:
+        if name in filled:
             tensor._is_hf_initialized = True
     model.initialize_weights()
     model.load_state_dict(state, strict=True, assign=True)  # every persistent tensor, nothing else
     return model.to(device=device).eval()
+
+
+def require_torchvision(family: str) -> None:
+    """Refuse to load a family whose processors need torchvision where it is not installed."""
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        raise CheckpointError(f"{family}: its image and video processors need torchvision, which is not installed; "
+                              "install the torchvision build that matches torch (pip install torchvision)")
 
 
 def processor_settings(folder: Path) -> dict[str, Any]:

@@ -23,7 +23,17 @@ Checks, in both of SGLang's ZMQ modes:
   registers for giving 502 after `--send-timeout-s`.
 Embeddings must be byte-identical to our own `return_embedding` output and grids equal to ours.
 Then the Omni families against SGLang's language side (`omni_language_side`, its own section below;
-`--only-omni` runs only those). Not run by CI (the install is several GB).
+`--only-omni` runs only those). 
+Then, for the image + video + audio families (`--families`, default Muse Spark and Dots3-Note), from tiny
+checkpoints built here and one server each: per modality, a request through SGLang's receiver, and the
+model's own SGLang language-side processor called on what it merged, as a language-only prefill server
+calls it (`get_validated_mm_data(prompt, embeddings, **fields)`). Its `input_ids` must equal those of the
+model's full `transformers` processor for the same prompt and media (so the placeholder counts and, for
+video, the timestamp text agree), and the rows it splices must be ours, byte for byte. Muse's processor is
+built by its own constructor (with a `ServerArgs` for the folder published in SGLang's runtime context);
+Dots3's with `__new__` (its constructor reads the published checkpoint's preprocessing files, which
+`get_mm_data` does not use).
+Not run by CI (the install is several GB).
 """
 
 from __future__ import annotations
@@ -617,12 +627,199 @@ def print_results() -> int:
     passed = sum(ok for _, ok, _ in RESULTS)
     print(f"\n{passed} passed, {len(RESULTS) - passed} failed")
     return 0 if passed == len(RESULTS) else 1
+# --- Muse Spark and Dots3-Note: SGLang's own language side rebuilds the prompt from our fields ---------
+
+AV_VIDEO_FPS = 2.0
+
+
+def omni_media(rate: int) -> dict:
+    """Two images, one video file (mp4: our server decodes it at AV_VIDEO_FPS) and two audio clips at `rate`."""
+    import av
+
+    from tests.omni_family_checkpoints import video, wav_b64, waveform
+
+    frames = video(64, 48, 4, 1)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=int(AV_VIDEO_FPS))
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame)):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    clips = [waveform(0.7, rate, 1), waveform(1.3, rate, 2)]
+    return {"image": [png_b64(60, 45, seed=3), png_b64(130, 40, seed=4)],
+            "video": [base64.b64encode(buffer.getvalue()).decode()],
+            "audio": [wav_b64(clip, rate) for clip in clips]}
+
+
+def decoded(modality: str, item: str, rate: int):
+    """An item as our server decodes it, for transformers' own processor (the same frames, the same samples)."""
+    from encode_server.media.decoding import decode_audio, decode_image, decode_video
+
+    data = base64.b64decode(item)
+    if modality == "image":
+        return decode_image(data, 10**9, "ref")
+    if modality == "video":
+        return decode_video(data, AV_VIDEO_FPS, 64, 10**9, "ref")
+    return decode_audio(data, rate, 3600.0, "ref")
+
+
+def av_reference(url: str, modality: str, items: list[str]) -> tuple[bytes, int]:
+    """Our own answer for the items: `return_embedding` bytes and the row count."""
+    import httpx
+
+    response = httpx.post(url + "/encode", json={"req_id": f"ref-{time.monotonic_ns()}", "modality": modality,
+                                                 "mm_items": items, "return_embedding": True}, timeout=120)
+    response.raise_for_status()
+    body = response.json()
+    return base64.b64decode(body["embedding"]), int(body["embedding_shape"][0])
+
+
+def hf_inputs(processor, prompt: str, modality: str, media: list, rate: int):
+    """What the model's full transformers processor makes of the prompt and the decoded media."""
+    if modality == "image":
+        return processor(text=[prompt], images=media, return_tensors="pt")
+    if modality == "audio":
+        return processor(text=[prompt], audio=media, sampling_rate=rate, return_tensors="pt")
+    from transformers.video_utils import VideoMetadata
+
+    metadata = [VideoMetadata(total_num_frames=len(frames), fps=AV_VIDEO_FPS, frames_indices=list(range(len(frames))))
+                for frames in media]
+    return processor(text=[prompt], videos=media, return_tensors="pt",
+                     videos_kwargs={"do_sample_frames": False, "return_metadata": True, "video_metadata": metadata})
+
+
+def received_rows(output, modality) -> bytes:
+    import torch
+
+    rows = [item.precomputed_embeddings for item in output.mm_items if item.modality.name == modality.upper()]
+    return torch.cat(rows).contiguous().view(-1).view(torch.uint8).numpy().tobytes() if rows else b""
+
+
+def muse_spark_processor(folder, processor):
+    """SGLang's `MuseSpark1xOmniMultimodalProcessor`, built by its own constructor (its runtime context published
+    from a `ServerArgs` for the folder, as a language-only server has it)."""
+    from sglang.srt.multimodal.processors.muse_spark_omni import MuseSpark1xOmniMultimodalProcessor
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoConfig
+
+    server_args = ServerArgs(model_path=str(folder), mm_process_config={})
+    get_context().set_server_args(server_args)
+    return MuseSpark1xOmniMultimodalProcessor(AutoConfig.from_pretrained(folder), server_args, processor, "default")
+
+
+def dots3_note_processor(folder, processor):
+    """SGLang's `DotsNoteOmniProcessor`, made with `__new__`: its constructor reads the published checkpoint's
+    `preprocessor_config.json` layout for preprocessing, which get_mm_data does not use."""
+    import json
+
+    from sglang.srt.configs.dots3 import Dots3Config
+    from sglang.srt.multimodal.processors.dots_note_omni import DotsNoteOmniProcessor
+
+    mm_processor = DotsNoteOmniProcessor.__new__(DotsNoteOmniProcessor)
+    config = json.loads((folder / "config.json").read_text())
+    mm_processor.hf_config = Dots3Config(**{**config, **config.pop("text_config", {})})
+    mm_processor._processor, mm_processor._tokenizer = processor, processor.tokenizer
+    return mm_processor
+
+
+AV_FAMILIES = {
+    # family: (checkpoint builder, SGLang processor, sampling rate, the placeholders the HF processor expands,
+    #          the merge that turns the grids we send into rows)
+    "muse_spark": ("muse_spark_checkpoint", muse_spark_processor, 24000,
+                   {"image": "<|patch|>", "video": "<|video|>", "audio": "<|audio|>"}, 1),
+    "dots3_note": ("dots3_note_checkpoint", dots3_note_processor, 16000,
+                   {"image": "<|imgpad|>", "video": "<|video_pad|>", "audio": "<|audio_comp_pad|>"}, 2),
+}
+
+
+def field_rows(meta: dict, modality: str, merge: int) -> int:
+    """The rows SGLang's merged fields account for: grids over merge^2 (a merged grid has merge 1), audio lengths."""
+    if modality == "audio":
+        return int(meta["audio_feature_lens"].sum())
+    grids = meta["img_grid_thw" if modality == "image" else "video_grid_thw"]
+    return int(grids.prod(-1).sum()) // merge**2
+
+
+def av_family_checks(family: str) -> None:
+    """For each modality: our server (`--wire-format sglang`) -> SGLang's receiver (`zmq_to_tokenizer`: dispatch,
+    ZMQ receive, part merging) -> the model's SGLang language-side processor, called as the receiver calls it,
+    `get_validated_mm_data(prompt, embeddings, **merged fields)`. Its `input_ids` must be those of the model's full
+    transformers processor for the same prompt and media (placeholder counts and, for video, the timestamp text),
+    and the rows it splices ours. Independently of that call, the merged fields must account for the placeholders
+    the transformers processor inserts."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoProcessor
+
+    import tests.omni_family_checkpoints as checkpoints
+    from encode_server.bench.launcher import ServerProcess
+
+    builder, make_processor, rate, tokens, merge = AV_FAMILIES[family]
+    with tempfile.TemporaryDirectory() as work:
+        folder = Path(work) / family
+        folder.mkdir()
+        getattr(checkpoints, builder)(folder)
+        processor = AutoProcessor.from_pretrained(folder)
+        mm_processor = make_processor(folder, processor)
+        media = omni_media(rate)
+        flags = ("--model", str(folder), "--wire-format", "sglang", "--video-fps", str(AV_VIDEO_FPS))
+        with ServerProcess(*flags) as server:
+            for modality, items in media.items():
+                prompt = "look: " + " and ".join(tokens[modality] for _ in items) + " done"
+                expected = hf_inputs(processor, prompt, modality, [decoded(modality, item, rate) for item in items],
+                                     rate)["input_ids"][0].tolist()
+                token_id = processor.tokenizer.convert_tokens_to_ids(tokens[modality])
+                ours, rows = av_reference(server.url, modality, items)
+                receiver = tokenizer_receiver([server.url], "zmq_to_tokenizer")
+                receiver.model_type = family
+                captured = asyncio.run(receiver.recv_mm_data(omni_request(modality, items, prompt),
+                                                             CapturingProcessor(), prompt))
+                if captured is None:
+                    record(f"{family} {modality}: SGLang's receiver merges our parts", False, "recv_mm_data gave None")
+                    continue
+                counted = field_rows(captured.meta, modality, merge)
+                record(f"{family} {modality}: merged fields account for the transformers processor's placeholders",
+                       counted == expected.count(token_id) == rows,
+                       f"fields give {counted} rows, the processor inserts {expected.count(token_id)} placeholders, "
+                       f"we sent {rows} rows")
+                step = f"{family} {modality}: get_mm_data's input_ids are the transformers processor's"
+                try:
+                    output = mm_processor.get_validated_mm_data(captured.prompt, captured.embeddings, **captured.meta)
+                except Exception as exc:  # noqa: BLE001 (SGLang's own failure, reported as the row's result)
+                    record(step, False, f"SGLang's {type(mm_processor).__name__}.get_mm_data raised "
+                                        f"{type(exc).__name__}: {exc}")
+                    continue
+                ids = list(output.input_ids)
+                same_ids, same_rows = ids == expected, received_rows(output, modality) == ours
+                placeholders = ids.count(token_id)
+                stamps = ""
+                if modality == "video":
+                    text = processor.tokenizer.decode(ids)
+                    stamps = "; timestamps " + " ".join(part.split("<")[0] for part in text.split("Time: ")[1:])
+                record(step, same_ids and same_rows and placeholders == rows,
+                       f"{placeholders} placeholders for {rows} rows; input_ids {'identical' if same_ids else 'DIFFER'}"
+                       f" ({len(ids)} tokens); spliced rows {'identical' if same_rows else 'DIFFER'}{stamps}")
+
+
+def omni_request(modality: str, items: list[str], prompt: str):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return GenerateReqInput(text=prompt, rid=f"req{time.monotonic_ns()}", **{f"{modality}_data": list(items)})
+
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen2.5-vl")
     parser.add_argument("--only-omni", action="store_true", help="run only the Omni language-side checks")
+    parser.add_argument("--families", nargs="*", default=list(AV_FAMILIES), choices=list(AV_FAMILIES),
+                        help="image + video + audio families whose SGLang get_mm_data is checked (tiny checkpoints "
+                             "built here; their SGLang processors need einops, and video files need av)")
     args = parser.parse_args()
     quiet()
     if args.only_omni:
@@ -658,6 +855,8 @@ def main() -> int:
         never_registered(first.url, image_a)
     registry_round_trip(flags)
     omni_language_side()
+    for family in args.families:
+        av_family_checks(family)
     width = max(len(step) for step, _, _ in RESULTS)
     print("\n| step | result |\n| --- | --- |")
     for step, ok, _ in RESULTS:

@@ -42,6 +42,10 @@ CASES = [
      "second_per_grid_ts": [1.0]},
     {"name": "audio", "kind": "embedding", "req_id": "aud", "num_parts": 1, "part_idx": 0,
      "modality": "audio", "grids": [37, 12], "dtype": "float16", "shape": [11, 16]},
+    # Muse Spark: merged token grids and one timestamp (seconds) per temporal clip of each video.
+    {"name": "video_timestamps", "kind": "embedding", "req_id": "muse_local_part_0", "num_parts": 2, "part_idx": 0,
+     "modality": "video", "grids": [[2, 2, 3], [1, 1, 4]], "dtype": "bfloat16", "shape": [16, 64],
+     "video_timestamps": [[0.0, 1.0], [0.0]]},
     {"name": "error", "kind": "error", "req_id": "bad_local_part_0", "num_parts": 2, "part_idx": 0,
      "modality": "image", "message": "item 0: cannot decode the image: cannot identify image file", "code": 400},
 ]
@@ -72,6 +76,8 @@ def generate() -> None:
             aux = {"video_timestamps": None, "second_per_grid_ts": None}  # _build_mm_aux_data, every modality
             if "second_per_grid_ts" in case:
                 aux["second_per_grid_ts"] = torch.tensor(case["second_per_grid_ts"], dtype=torch.float32)
+            if "video_timestamps" in case:  # build_encoder_inputs (Muse): a list of per-video lists of floats
+                aux["video_timestamps"] = case["video_timestamps"]
             data = EmbeddingData(case["req_id"], case["num_parts"], case["part_idx"],
                                  torch.tensor(case["grids"], dtype=torch.int64), modality,
                                  torch.zeros(case["shape"], dtype=dtypes[case["dtype"]]), **aux)
@@ -111,7 +117,8 @@ def check() -> None:
             header = frames.embedding_header(
                 req_id=case["req_id"], part_idx=case["part_idx"], num_parts=case["num_parts"],
                 modality=case["modality"], grids=case["grids"], dtype=dtypes[case["dtype"]], shape=case["shape"],
-                second_per_grid_ts=case.get("second_per_grid_ts"), send_time=SEND_TIME)
+                second_per_grid_ts=case.get("second_per_grid_ts"), video_timestamps=case.get("video_timestamps"),
+                send_time=SEND_TIME)
         else:
             header = frames.error_header(
                 req_id=case["req_id"], part_idx=case["part_idx"], num_parts=case["num_parts"],
@@ -134,6 +141,8 @@ def check() -> None:
             meta = merged.get_mm_extra_meta()
             if case.get("second_per_grid_ts") and meta.get("second_per_grid_ts") != case["second_per_grid_ts"]:
                 problems.append(f"second_per_grid_ts {meta.get('second_per_grid_ts')!r}")
+            if case.get("video_timestamps") and meta.get("video_timestamps") != case["video_timestamps"]:
+                problems.append(f"video_timestamps {meta.get('video_timestamps')!r}")
         elif (obj.error_msg, obj.error_code, obj.grid_dim, obj.dtype, obj.shape) != (
                 case["message"], case["code"], None, None, None):
             problems.append(f"error fields {obj.error_msg!r} {obj.error_code!r}")

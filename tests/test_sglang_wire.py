@@ -82,7 +82,8 @@ def render(frames: SglangFrames, case: dict) -> bytes:
         return frames.embedding_header(
             req_id=case["req_id"], part_idx=case["part_idx"], num_parts=case["num_parts"], modality=case["modality"],
             grids=case["grids"], dtype=DTYPES[case["dtype"]], shape=case["shape"],
-            second_per_grid_ts=case.get("second_per_grid_ts"), send_time=MANIFEST["send_time"])
+            second_per_grid_ts=case.get("second_per_grid_ts"), video_timestamps=case.get("video_timestamps"),
+            send_time=MANIFEST["send_time"])
     return frames.error_header(
         req_id=case["req_id"], part_idx=case["part_idx"], num_parts=case["num_parts"], modality=case["modality"],
         message=case["message"], code=case["code"], send_time=MANIFEST["send_time"])

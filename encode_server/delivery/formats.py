@@ -12,5 +12,6 @@ from processors import EncoderAdapter
 def wire_format(settings: Settings, adapter: EncoderAdapter) -> WireFormat:
     """The ZMQ frames `--wire-format` asks for."""
     if settings.wire_format == "sglang":
-        return SglangWire(settings.sglang_embedding_class, seconds_per_grid_step(adapter, settings.video_fps))
+        return SglangWire(settings.sglang_embedding_class, seconds_per_grid_step(adapter, settings.video_fps),
+                          video_fps=settings.video_fps)
     return NativeWire(adapter)

@@ -12,7 +12,10 @@ The object's state is exactly what SGLang 0.5.21+'s encoder pickles (`EmbeddingD
 **aux).copy_without_embedding()`), in the same order: `req_id, num_parts, part_idx, grid_dim,
 modality, embedding, send_time, dtype, shape, _mr_ptr, error_msg, error_code` and, on success,
 `video_timestamps, second_per_grid_ts`. `grid_dim` is an int64 tensor: `[n_items, 3]` (t, h, w)
-grids for images and videos, `[n_items]` mel-frame lengths for audio. `modality` is SGLang's
+grids for images and videos, `[n_items]` lengths for audio: mel frames, or rows where the model's
+language side reads those (each layout's `receiver_grid` overrides the default: Muse Spark's merged
+token grids and audio rows). `video_timestamps`, for a model whose layouts name each video clip's
+frame (`clip_frames`), is one list of seconds per video: those frames over `--video-fps`. `modality` is SGLang's
 `Modality` enum (IMAGE=1, VIDEO=2, AUDIO=3). `send_time` is the wall-clock time the frame was made
 (SGLang's own encoder leaves it None; its receivers only copy it).
 
@@ -215,33 +218,57 @@ class SglangFrames:
         })
 
 
+def receiver_grid(modality: str, layout: Any) -> Any:
+    """One item's `grid_dim` entry: its layout's `receiver_grid` if set, else the audio clip's mel frames or
+    the image's or video's `grid_thw`."""
+    if layout.receiver_grid is not None:
+        return layout.receiver_grid
+    if modality != "audio":
+        return layout.grid_thw
+    if layout.mel_frames is None:
+        raise ValueError("this model's audio layouts do not say their mel-frame lengths")
+    return layout.mel_frames
+
+
+def video_timestamps(layouts: Sequence[Any], fps: float | None) -> list[list[float]] | None:
+    """Each video's clip timestamps in seconds (`clip_frames` over the sampling fps); None where the model's
+    layouts name no clip frames."""
+    if fps is None or all(layout.clip_frames is None for layout in layouts):
+        return None
+    if any(layout.clip_frames is None for layout in layouts):
+        raise ValueError("some of this model's video layouts name their clip frames and some do not")
+    return [[float(frame) / fps for frame in layout.clip_frames] for layout in layouts]
+
+
 class SglangWire:
     """`--wire-format sglang`: the delivery's `WireFormat` in SGLang's frames.
 
     `seconds_per_grid_step` is `second_per_grid_ts` for every video item (the temporal patch size over the
     sampling fps, as SGLang's own encoder computes it) for the models whose language side reads it
     (`SECONDS_PER_GRID_FAMILIES`); None for other models.
+    `video_fps` (`--video-fps`, the rate video items' frames are taken at) turns the clip frames a model's
+    layouts name into `video_timestamps`.
     """
 
-    def __init__(self, embedding_class: str = EMBEDDING_CLASS, seconds_per_grid_step: float | None = None) -> None:
+    def __init__(self, embedding_class: str = EMBEDDING_CLASS, seconds_per_grid_step: float | None = None,
+                 video_fps: float | None = None) -> None:
         self.frames = SglangFrames(embedding_class)
         self.seconds_per_grid_step = seconds_per_grid_step
+        self.video_fps = video_fps
 
     def success_frames(self, meta: PartMeta, part: EncodedPart) -> list[bytes | memoryview]:
         from processors.dtypes import raw_bytes
 
-        if meta.modality == "audio":
-            grids = [layout.mel_frames for layout in part.layouts]
-            if None in grids:
-                raise ValueError("this model's audio layouts do not say their mel-frame lengths")
-        else:
-            grids = [layout.grid_thw for layout in part.layouts]
-        seconds = None
-        if meta.modality == "video" and self.seconds_per_grid_step is not None:
-            seconds = [self.seconds_per_grid_step] * len(part.layouts)
+        grids = [receiver_grid(meta.modality, layout) for layout in part.layouts]
+        seconds = timestamps = None
+        if meta.modality == "video":
+            if self.seconds_per_grid_step is not None:
+                seconds = [self.seconds_per_grid_step] * len(part.layouts)
+            timestamps = video_timestamps(part.layouts, self.video_fps)
         header = self.frames.embedding_header(
             req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
-            grids=grids, dtype=part.embedding.dtype, shape=part.embedding.shape, second_per_grid_ts=seconds)
+            grids=grids, dtype=part.embedding.dtype, shape=part.embedding.shape, second_per_grid_ts=seconds,
+            video_timestamps=timestamps)
         return [header, raw_bytes(part.embedding)]
 
     def failure_frames(self, meta: PartMeta, status: int, message: str) -> list[bytes | memoryview]:
