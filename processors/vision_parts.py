@@ -6,12 +6,14 @@ model's base class (e.g. `Gemma3Model`) is constructed on the meta device (no me
 `language_model` is dropped, and the rest is materialised and filled from the checkpoint, the way
 `from_pretrained` does it:
 
-- checkpoint keys are renamed with `transformers`' own conversion mapping for that class
+- checkpoint keys are matched with `transformers`' own conversion mapping for that class
   (`get_model_conversion_mapping` + `rename_source_key`), so published layouts
   (`vision_tower.vision_model.*`, `language_model.model.*`) and the layout `save_pretrained`
-  writes today both load; a key that needs a conversion *operation* (split, concatenate, ...)
-  rather than a rename is refused;
-- only the kept modules' tensors are read from the safetensors shards;
+  writes today both load;
+- only the kept modules' tensors are read from the safetensors shards (`read_tensors`), and they are
+  loaded by `transformers`' own `convert_and_load_state_dict_in_model`, so a key that needs a
+  conversion *operation* (Kimi K2.5's fused, rope-permuted `wqkv` split into q, k and v) is
+  converted exactly as `from_pretrained` converts it;
 - non-persistent buffers (position ids, rotary frequencies) are filled by the model's own
   `initialize_weights`, exactly as `from_pretrained` fills them.
 
@@ -65,50 +67,80 @@ def build_without_language_model(model_class: type, config: Any, dtype: torch.dt
     return model
 
 
-def _checkpoint_keys_for(model: torch.nn.Module, files: dict[str, Path], folder: Path) -> dict[str, str]:
-    """Model key -> checkpoint key, through `transformers`' own renaming rules for this model."""
+def _checkpoint_plan(model: torch.nn.Module, files: dict[str, Path]) -> tuple[list[str], set[str]]:
+    """The checkpoint keys that hold this model's tensors, through `transformers`' own conversion mapping for
+    it, and the model keys they fill. A key a converter takes (e.g. a fused `wqkv` split into q, k, v) fills
+    every target of that converter."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     wanted = model.state_dict()
-    chosen: dict[str, str] = {}
-    for checkpoint_key in sorted(files):
-        key, converter_pattern = rename_source_key(checkpoint_key, renamings, converters,
-                                                   model.base_model_prefix, wanted)
+    keys, filled = [], set()
+    # In `from_pretrained`'s order: some renamings (GroupWeightRename) are armed by an earlier key.
+    for checkpoint_key in sorted(files, key=dot_natural_key):
+        key, pattern = rename_source_key(checkpoint_key, renamings, converters, model.base_model_prefix, wanted)
         if key not in wanted and checkpoint_key in wanted:
-            key, converter_pattern = checkpoint_key, None
+            key, pattern = checkpoint_key, None
         if key not in wanted:
             continue
-        if converter_pattern is not None:
-            raise CheckpointError(f"{folder}: encoder tensor {checkpoint_key} needs the conversion "
-                                  f"{converter_pattern!r}, which only a full from_pretrained applies")
-        chosen.setdefault(key, checkpoint_key)
-    return chosen
+        keys.append(checkpoint_key)
+        if pattern is None:
+            filled.add(key)
+        else:
+            targets = by_pattern[pattern].target_patterns
+            filled.update(key.replace(targets[0], target) for target in targets)
+    return keys, filled
+
+
+def _shown(keys: Any) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def load_vision_part(folder: Path, model_class: type, config: Any, device: torch.device,
                      dtype: torch.dtype) -> torch.nn.Module:
-    """The base model without its language model, filled from the folder's safetensors, on `device`."""
+    """The base model without its language model, filled from the folder's safetensors, on `device`.
+
+    Only the encoder's checkpoint tensors are read (one `read_tensors` call, so `encoder_keys_of` learns
+    them), then they go through `transformers`' own loading step (`convert_and_load_state_dict_in_model`,
+    with the model's conversion mapping), converted exactly as `from_pretrained` converts them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as transformers_logging
+
     model = build_without_language_model(model_class, config, dtype)
     files = _shard_files(folder)
-    chosen = _checkpoint_keys_for(model, files, folder)
-    wanted = model.state_dict()
-    missing = sorted(set(wanted) - set(chosen))
+    keys, filled = _checkpoint_plan(model, files)
+    persistent = set(model.state_dict())
+    missing = persistent - filled
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
-    state = {key: tensor.to(wanted[key].dtype) for key, tensor in read_tensors(folder, files, chosen).items()}
+        raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {_shown(missing)}")
+    state = read_tensors(folder, files, {key: key for key in keys})  # checkpoint key -> its tensor
     model.to_empty(device="cpu")
     # Everything the checkpoint holds is marked initialised, so `initialize_weights` fills only the
-    # non-persistent buffers, as `from_pretrained` does; the loaded tensors are assigned after it anyway.
+    # non-persistent buffers, as `from_pretrained` does; the loaded tensors replace the rest after it anyway.
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name in chosen:
+        if name in filled:
             tensor._is_hf_initialized = True
     model.initialize_weights()
-    model.load_state_dict(state, strict=True, assign=True)  # every persistent tensor, nothing else
+    progress_bar = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # a few small tensors: no "Loading weights" bar in the log
+    try:
+        info, _ = convert_and_load_state_dict_in_model(model, state, LoadStateDictConfig(
+            weight_mapping=get_model_conversion_mapping(model), device_map={"": "cpu"}))
+    finally:
+        if progress_bar:
+            transformers_logging.enable_progress_bar()
+    problems = [f"{what}: {_shown(found)}" for what, found in (
+        ("not filled", info.missing_keys & persistent), ("wrong shape", [k for k, *_ in info.mismatched_keys]),
+        ("conversion failed", info.conversion_errors), ("unexpected", info.unexpected_keys)) if found]
+    if problems or info.error_msgs:
+        raise CheckpointError(f"{folder}: the encoder's tensors do not load: {'; '.join(problems + info.error_msgs)}")
     return model.to(device=device).eval()
 
 
