@@ -31,6 +31,9 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.gemma3",
     "processors.llava_onevision",
     "processors.mistral3",
+    "processors.kimi_k25",
+    "processors.glm5_next",
+    "processors.minimax_m3_vl",
     "processors.generic",
 )
 
