@@ -94,6 +94,23 @@ def test_only_the_encoders_shards_are_read(checkpoint, tmp_path):
     assert torch.equal(*[adapter.forward(adapter.preprocess("image", [image])) for adapter in rows])
 
 
+def test_the_layout_transformers_holds_in_memory_loads_too(checkpoint, adapter, tmp_path):
+    """Keys already unfused (`model.vision_tower.layers.N.attn.q_proj`, as a plain `state_dict` dump holds them)
+    load as they are: no conversion applies twice (and a file with the encoder's tensors alone is enough)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model, folder = checkpoint
+    plain = tmp_path / "plain"
+    shutil.copytree(folder, plain)
+    save_file({key: tensor.contiguous() for key, tensor in model.state_dict().items()
+               if key.startswith(("model.vision_tower.", "model.mm_projector."))},  # the encoder's tensors only
+              str(plain / "model.safetensors"), metadata={"format": "pt"})
+    image = sample_images()[3]
+    rows = [loaded.forward(loaded.preprocess("image", [image])) for loaded in (FAMILY.load(plain, CPU, F32), adapter)]
+    assert torch.equal(*rows)
+
 def test_fused_images_equal_get_image_features_alone(checkpoint, adapter, processor):
     model, _ = checkpoint
 
