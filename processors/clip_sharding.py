@@ -1,4 +1,5 @@
-"""Tensor-parallel plan for CLIP-style vision towers (SigLIP, CLIP), shared by Gemma 3 and LLaVA-OneVision.
+"""Tensor-parallel plan for CLIP-style vision towers (SigLIP, CLIP, MiniMax-M3's), shared by Gemma 3,
+LLaVA-OneVision and MiniMax-M3 VL.
 
 Each encoder layer's attention has separate `q_proj`/`k_proj`/`v_proj` (split column-wise: every rank
 holds whole heads) and `out_proj` (row-wise: the all-reduce sums the heads' contributions); the MLP's
@@ -17,9 +18,12 @@ from .sharding import ShardingError, check_heads, split_linears
 
 
 def clip_like_layers(tower: torch.nn.Module, family: str) -> torch.nn.ModuleList:
-    """The encoder layers of a CLIP/SigLIP vision model (with or without the `vision_model` wrapper)."""
+    """The encoder layers of a CLIP/SigLIP vision model (with or without the `vision_model` wrapper), or of a
+    tower that holds CLIP-style layers itself (MiniMax-M3's `layers`)."""
     inner = getattr(tower, "vision_model", tower)
     layers = getattr(getattr(inner, "encoder", None), "layers", None)
+    if layers is None:
+        layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
         raise ShardingError(f"{family}: the vision tower {type(tower).__name__} is not a CLIP-style encoder; "
                             "no tensor-parallel plan for it")

@@ -130,10 +130,11 @@ def resize_rule(size_of: Callable[..., tuple[int, int]], image_processor: Any, *
 
 
 def load_grid_tower(folder: Path, towers: Mapping[str, tuple[str, str]], what: str,
-                    build: Callable[[torch.nn.Module, Any], EncoderAdapter], default_video_processor: str
-                    ) -> EncoderAdapter:
+                    build: Callable[[torch.nn.Module, Any], EncoderAdapter], default_video_processor: str,
+                    processors: tuple[Any, Any] | None = None) -> EncoderAdapter:
     """The vision tower of a checkpoint whose `model_type` is in `towers` (-> config class, tower class paths),
-    loaded alone (the language model is never built), then `build(tower, image_processor, video_processor)`."""
+    loaded alone (the language model is never built), then `build(tower, image_processor, video_processor)`;
+    the folder's processors unless `processors` (image, video) are given."""
     from transformers import AutoImageProcessor
 
     from .checkpoint import CheckpointError, load_encoder_modules, read_config
@@ -148,9 +149,10 @@ def load_grid_tower(folder: Path, towers: Mapping[str, tuple[str, str]], what: s
     vision_config._attn_implementation = "sdpa"
     modules = load_encoder_modules(folder, lambda: {"visual": tower_class._from_config(vision_config)})
     try:
-        image_processor = AutoImageProcessor.from_pretrained(folder)
-        video_processor = load_video_processor(folder, default=default_video_processor)
-        return build(modules["visual"], image_processor, video_processor)
+        if processors is None:
+            processors = (AutoImageProcessor.from_pretrained(folder),
+                          load_video_processor(folder, default=default_video_processor))
+        return build(modules["visual"], *processors)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: {exc}") from None
 

@@ -127,3 +127,15 @@ def use_packed_attention(tower: torch.nn.Module, blocks: str = "blocks", attenti
         return False
     config._attn_implementation = register()
     return True
+
+
+def use_packed_attention_in_layers(tower: torch.nn.Module, attention: str) -> bool:
+    """`use_packed_attention` for towers whose blocks are `layers` with the attention module named `attention`
+    (Kimi K2.5's `attn`, MiniMax-M3's `self_attn`), all reading the tower's config; False, nothing changed, else."""
+    config = getattr(tower, "config", None)
+    layers = getattr(tower, "layers", None)
+    if config is None or not layers or \
+            any(getattr(getattr(layer, attention, None), "config", None) is not config for layer in layers):
+        return False
+    config._attn_implementation = register()
+    return True

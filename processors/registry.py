@@ -35,6 +35,9 @@ FAMILY_MODULES: tuple[str, ...] = (
     "processors.qwen3_omni_moe",
     "processors.muse_spark",
     "processors.dots3_note",
+    "processors.kimi_k25",
+    "processors.glm5_next",
+    "processors.minimax_m3_vl",
     "processors.generic",
 )
 

@@ -6,13 +6,14 @@ model's base class (e.g. `Gemma3Model`) is constructed on the meta device (no me
 `language_model` is dropped, and the rest is materialised and filled from the checkpoint, the way
 `from_pretrained` does it:
 
-- checkpoint keys are renamed with `transformers`' own conversion mapping for that class
+- checkpoint keys are matched with `transformers`' own conversion mapping for that class
   (`get_model_conversion_mapping` + `rename_source_key`), so published layouts
   (`vision_tower.vision_model.*`, `language_model.model.*`) and the layout `save_pretrained`
-  writes today both load; tensors that need a conversion *operation* (per-expert weights stacked
-  into one, gate and up concatenated, ...) are gathered and converted by that mapping's own
-  `WeightConverter`, as `from_pretrained` does;
-- only the kept modules' tensors are read from the safetensors shards;
+  writes today both load;
+- only the kept modules' tensors are read from the safetensors shards (`read_tensors`), and they are
+  loaded by `transformers`' own `convert_and_load_state_dict_in_model`, so a key that needs a
+  conversion *operation* (Kimi K2.5's fused, rope-permuted `wqkv` split into q, k and v) is
+  converted exactly as `from_pretrained` converts it;
 - non-persistent buffers (position ids, rotary frequencies) are filled by the model's own
   `initialize_weights`, exactly as `from_pretrained` fills them.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,44 +67,10 @@ def build_without_language_model(model_class: type, config: Any, dtype: torch.dt
     return model
 
 
-@dataclass
-class LoadPlan:
-    """Which checkpoint tensors fill which model tensors: plain (renamed) copies, and conversions."""
-
-    copies: dict[str, str] = field(default_factory=dict)  # model key -> checkpoint key
-    # first target key -> a copy of the mapping's `WeightConverter` holding its source keys, in checkpoint order
-    conversions: dict[str, Any] = field(default_factory=dict)
-
-    def filled_keys(self) -> set[str]:
-        """The model keys this plan fills (a converter fills its first target key and any siblings it names)."""
-        return set(self.copies) | {key for mapping in self.conversions.values() for key in mapping.layer_targets}
-
-    def sources(self) -> list[str]:
-        """The checkpoint keys the conversions read, in checkpoint order."""
-        return [source for mapping in self.conversions.values()
-                for sources in mapping.collected_tensors.values() for source in sources]
-
-    def read(self, folder: Path, files: dict[str, Path], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Every model tensor the plan fills: the copies and the conversions' outputs, from one `read_tensors`
-        call (the one `encoder_keys_of` stops at), each conversion run by its own `WeightConverter`."""
-        sources = self.sources()
-        clash = sorted(set(sources) & set(self.copies))
-        if clash:
-            raise CheckpointError(f"{folder}: {clash[0]} is both an encoder tensor and a conversion's source")
-        tensors = read_tensors(folder, files, {**self.copies, **{source: source for source in sources}})
-        state = {key: tensors[key] for key in self.copies}
-        for first_key, mapping in self.conversions.items():
-            for pattern, keys in mapping.collected_tensors.items():
-                mapping.collected_tensors[pattern] = [lambda key=key: tensors[key] for key in keys]
-            for key, value in mapping.convert(first_key, model=model, config=model.config).items():
-                state[key] = value[0] if isinstance(value, list) else value
-        return state
-
-
-def plan_loading(model: torch.nn.Module, files: dict[str, Path]) -> LoadPlan:
-    """Model key -> checkpoint key, through `transformers`' own renaming and conversion rules for this model."""
-    import copy
-
+def _checkpoint_plan(model: torch.nn.Module, files: dict[str, Path]) -> tuple[list[str], set[str]]:
+    """The checkpoint keys that hold this model's tensors, through `transformers`' own conversion mapping for
+    it, and the model keys they fill. A key a converter takes (e.g. a fused `wqkv` split into q, k, v) fills
+    every target of that converter."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
@@ -113,60 +79,69 @@ def plan_loading(model: torch.nn.Module, files: dict[str, Path]) -> LoadPlan:
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     wanted = model.state_dict()
-    plan = LoadPlan()
-    for checkpoint_key in sorted(files, key=dot_natural_key):  # expert 2 before expert 10, as from_pretrained
+    keys, filled = [], set()
+    # In `from_pretrained`'s order: some renamings (GroupWeightRename) are armed by an earlier key.
+    for checkpoint_key in sorted(files, key=dot_natural_key):
         key, pattern = rename_source_key(checkpoint_key, renamings, converters, model.base_model_prefix, wanted)
         if key not in wanted and checkpoint_key in wanted:
             key, pattern = checkpoint_key, None
         if key not in wanted:
             continue
+        keys.append(checkpoint_key)
         if pattern is None:
-            plan.copies.setdefault(key, checkpoint_key)
+            filled.add(key)
         else:
-            mapping = plan.conversions.setdefault(key, copy.deepcopy(by_pattern[pattern]))
-            mapping.add_tensor(key, checkpoint_key, pattern, checkpoint_key)
-    return plan
+            targets = by_pattern[pattern].target_patterns
+            filled.update(key.replace(targets[0], target) for target in targets)
+    return keys, filled
+
+
+def _shown(keys: Any) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def load_vision_part(folder: Path, model_class: type, config: Any, device: torch.device,
                      dtype: torch.dtype) -> torch.nn.Module:
-    """The base model without its language model, filled from the folder's safetensors, on `device`."""
+    """The base model without its language model, filled from the folder's safetensors, on `device`.
+
+    Only the encoder's checkpoint tensors are read (one `read_tensors` call, so `encoder_keys_of` learns
+    them), then they go through `transformers`' own loading step (`convert_and_load_state_dict_in_model`,
+    with the model's conversion mapping), converted exactly as `from_pretrained` converts them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as transformers_logging
+
     model = build_without_language_model(model_class, config, dtype)
     files = _shard_files(folder)
-    plan = plan_loading(model, files)
-    wanted = model.state_dict()
-    filled = plan.filled_keys()
-    missing = sorted(set(wanted) - filled)
+    keys, filled = _checkpoint_plan(model, files)
+    persistent = set(model.state_dict())
+    missing = persistent - filled
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {shown}")
-    state = plan.read(folder, files, model)
-    unexpected = sorted(set(state) - set(wanted))
-    if unexpected:
-        raise CheckpointError(f"{folder}: conversions produced tensors the model does not have: {unexpected[:5]}")
-    for key, tensor in state.items():
-        if tensor.shape != wanted[key].shape:
-            raise CheckpointError(f"{folder}: tensor {key} has shape {list(tensor.shape)}, the model expects "
-                                  f"{list(wanted[key].shape)}")
-        state[key] = tensor.to(wanted[key].dtype)
+        raise CheckpointError(f"{folder}: the checkpoint lacks {len(missing)} encoder tensors: {_shown(missing)}")
+    state = read_tensors(folder, files, {key: key for key in keys})  # checkpoint key -> its tensor
     model.to_empty(device="cpu")
     # Everything the checkpoint holds is marked initialised, so `initialize_weights` fills only the
-    # non-persistent buffers, as `from_pretrained` does; the loaded tensors are assigned after it anyway.
+    # non-persistent buffers, as `from_pretrained` does; the loaded tensors replace the rest after it anyway.
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name in filled:
             tensor._is_hf_initialized = True
     model.initialize_weights()
-    model.load_state_dict(state, strict=True, assign=True)  # every persistent tensor, nothing else
+    progress_bar = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # a few small tensors: no "Loading weights" bar in the log
+    try:
+        info, _ = convert_and_load_state_dict_in_model(model, state, LoadStateDictConfig(
+            weight_mapping=get_model_conversion_mapping(model), device_map={"": "cpu"}))
+    finally:
+        if progress_bar:
+            transformers_logging.enable_progress_bar()
+    problems = [f"{what}: {_shown(found)}" for what, found in (
+        ("not filled", info.missing_keys & persistent), ("wrong shape", [k for k, *_ in info.mismatched_keys]),
+        ("conversion failed", info.conversion_errors), ("unexpected", info.unexpected_keys)) if found]
+    if problems or info.error_msgs:
+        raise CheckpointError(f"{folder}: the encoder's tensors do not load: {'; '.join(problems + info.error_msgs)}")
     return model.to(device=device).eval()
-
-
-def require_torchvision(family: str) -> None:
-    """Refuse to load a family whose processors need torchvision where it is not installed."""
-    from transformers.utils import is_torchvision_available
-
-    if not is_torchvision_available():
-        raise CheckpointError(f"{family}: its image and video processors need torchvision, which is not installed; "
-                              "install the torchvision build that matches torch (pip install torchvision)")
 
 
 def processor_settings(folder: Path) -> dict[str, Any]:
@@ -239,3 +214,12 @@ class VisionPartAdapter(EncoderAdapter):
         parts = pooler_output if isinstance(pooler_output, (list, tuple)) else [pooler_output]
         rows = torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
         return rows.to("cpu").contiguous()
+
+
+def require_torchvision(family: str) -> None:
+    """Refuse to load a family whose processors need torchvision where it is not installed."""
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        raise CheckpointError(f"{family}: its image and video processors need torchvision, which is not installed; "
+                              "install the torchvision build that matches torch (pip install torchvision)")

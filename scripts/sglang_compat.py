@@ -34,6 +34,15 @@ built by its own constructor (with a `ServerArgs` for the folder published in SG
 Dots3's with `__new__` (its constructor reads the published checkpoint's preprocessing files, which
 `get_mm_data` does not use).
 Not run by CI (the install is several GB).
+
+Kimi K2.5, GLM-5-Next and MiniMax-M3 VL (`kimi_glm5_minimax_checks`): a tiny checkpoint of each
+(`tests/kimi_glm5_minimax_checkpoints.py`) served by one of our encoders; two images, then two clips, go
+through `recv_mm_data` (zmq_to_tokenizer) into the model's own SGLang processor (made with `__new__` and
+the attributes its constructor sets), whose `get_validated_mm_data` builds the prompt's `input_ids` as the
+prefill's tokenizer does. Each passes when those hold one placeholder per row we sent (the count the
+model's full `transformers` processor inserts), the rows kept are ours byte for byte, and, where the two
+layouts are meant to agree, the `input_ids` equal the full processor's. Importing these processors needs
+`einops` (installed by `scripts/sglang_compat.sh`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -812,6 +822,174 @@ def omni_request(modality: str, items: list[str], prompt: str):
     return GenerateReqInput(text=prompt, rid=f"req{time.monotonic_ns()}", **{f"{modality}_data": list(items)})
 
 
+# --- Kimi K2.5, GLM-5-Next, MiniMax-M3 VL: our rows through SGLang's receiver into each model's own get_mm_data --
+
+def epd_language_processor(model_type: str, folder):
+    """The model's own SGLang multimodal processor, as the prefill server holds it, made without its constructor
+    (which needs the LLM's server args): given the attributes that constructor sets, from the folder's config
+    and `transformers` processor (what SGLang loads as `_processor`)."""
+    from sglang.srt.multimodal.processors.base_processor import MultimodalSpecialTokens
+    from transformers import AutoConfig, AutoProcessor
+
+    config, hf = AutoConfig.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
+    if model_type == "kimi_k25":
+        from sglang.srt.multimodal.processors.kimi_k25 import KimiK2_5VLImageProcessor as cls
+    elif model_type == "glm5_next":
+        from sglang.srt.multimodal.processors.glm4v import Glm4vImageProcessor as cls
+    else:
+        from sglang.srt.multimodal.processors.minimax_m3_vl import MiniMaxM3VLProcessor as cls
+    processor = cls.__new__(cls)
+    processor.hf_config, processor._processor, processor._tokenizer = config, hf, hf.tokenizer
+    tokens = hf.tokenizer.convert_tokens_to_ids
+    if model_type == "kimi_k25":  # KimiK2_5VLImageProcessor.__init__ (media_placeholder_token_id: image_token_id)
+        processor.mm_tokens = MultimodalSpecialTokens(image_token="<|media_pad|>",
+                                                      image_token_id=config.image_token_id)
+        processor.processor_fingerprint = "encode-server sglang_compat"  # what the image identities hash with
+    elif model_type == "glm5_next":  # Glm4vImageProcessor.__init__
+        processor.IM_TOKEN_ID, processor.VIDEO_TOKEN_ID = config.image_token_id, config.video_token_id
+        processor.IM_START_TOKEN_ID, processor.IM_END_TOKEN_ID = config.image_start_token_id, config.image_end_token_id
+    else:  # MiniMaxM3VLProcessor.__init__
+        processor.IM_TOKEN_ID, processor.VIDEO_TOKEN_ID = tokens(cls.IMAGE_TOKEN), tokens(cls.VIDEO_TOKEN)
+        processor.IM_START_TOKEN_ID = tokens(cls.IMAGE_START_TOKEN)
+        processor.IM_END_TOKEN_ID = tokens(cls.IMAGE_END_TOKEN)
+    return processor, hf
+
+
+def frames_b64(frames) -> dict:
+    buffers = []
+    for frame in frames:
+        buffer = io.BytesIO()
+        frame.save(buffer, "PNG")
+        buffers.append(base64.b64encode(buffer.getvalue()).decode())
+    return {"frames": buffers}
+
+
+def epd_case(model_type: str, folder, url: str, modality: str, items: list, placeholders: int, step: str) -> None:
+    """One request through SGLang's `MMReceiverHTTP.recv_mm_data` (zmq_to_tokenizer) into the model's own
+    `get_validated_mm_data`, as the prefill's tokenizer runs it. Passes when the input_ids it builds hold one
+    placeholder per row we sent, the rows it keeps are ours byte for byte, and (where the two layouts are meant
+    to agree) the input_ids equal what the model's full `transformers` processor builds for the same items."""
+    import httpx
+    import torch
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from tests.kimi_glm5_minimax_checkpoints import PROMPTS
+
+    processor, hf = epd_language_processor(model_type, folder)
+    prompt = " ".join([PROMPTS[model_type][modality]] * len(items))
+    prompt_ids = hf.tokenizer.encode(prompt, add_special_tokens=False)
+    wire = [png_b64_of(item) if modality == "image" else frames_b64(item) for item in items]
+    ours = httpx.post(url + "/encode", json={"req_id": f"ref-{time.monotonic_ns()}", "modality": modality,
+                                            "mm_items": wire, "return_embedding": True}, timeout=120).json()
+    rows = base64.b64decode(ours["embedding"])
+    data = {"image_data": [{"url": item} for item in wire]} if modality == "image" else \
+        {"video_data": [{"url": item} for item in wire]}
+    request = GenerateReqInput(input_ids=list(prompt_ids), rid=f"req{time.monotonic_ns()}", **data)
+    receiver = tokenizer_receiver([url], "zmq_to_tokenizer")
+    receiver.model_type = model_type
+    try:
+        out = asyncio.run(receiver.recv_mm_data(request, processor, list(prompt_ids)))
+        error = None if out is not None else "recv_mm_data returned None (see the log above)"
+    except Exception as exc:  # noqa: BLE001 (SGLang's refusal is the outcome to report)
+        out, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    if out is None:
+        record(step, False, error)
+        return
+    token = PROMPTS[model_type]["video_row_token" if modality == "video" else "image_token"]
+    if model_type == "glm5_next" and modality == "video":
+        token = "<|video|>"  # SGLang's GLM language side fills a video with its video token (HF: image tokens)
+    count = sum(1 for t in out.input_ids if t == hf.tokenizer.convert_tokens_to_ids(token))
+    kept = torch.cat([item.precomputed_embeddings for item in out.mm_items]).contiguous()
+    same_rows = kept.view(-1).view(torch.uint8).numpy().tobytes() == rows
+    detail = (f"{ours['embedding_shape'][0]} rows, grids {[i['grid_thw'] for i in ours['items']]}; get_mm_data: "
+              f"{count} placeholders, {len(out.mm_items)} items, rows {'ours' if same_rows else 'DIFFERENT'}")
+    ok = count == ours["embedding_shape"][0] == placeholders and same_rows
+    if model_type != "glm5_next" or modality == "image":
+        media = {"images": items} if modality == "image" else {"videos": items, "do_sample_frames": False}
+        hf_ids = hf(text=[prompt], return_tensors="pt", **media)["input_ids"][0].tolist()
+        ok &= hf_ids == list(out.input_ids)
+        detail += f"; input_ids {'==' if hf_ids == list(out.input_ids) else '!='} transformers' full processor's"
+    record(step, ok, detail)
+
+
+def png_b64_of(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def kimi_glm5_minimax_checks(work) -> None:
+    """Kimi K2.5, GLM-5-Next and MiniMax-M3 VL, images and videos, each a tiny checkpoint folder served by us."""
+    from pathlib import Path
+
+    from transformers import AutoProcessor
+
+    from encode_server.bench.launcher import ServerProcess
+    from tests.kimi_glm5_minimax_checkpoints import CHECKPOINTS, PROMPTS, clip, sample_images
+
+    images = sample_images()[2:4]
+    for model_type, build in CHECKPOINTS.items():
+        folder = build(Path(work) / model_type)[1]
+        hf = AutoProcessor.from_pretrained(folder)
+        # MiniMax's full processor takes videos already resized to whole merged patches: give it such frames.
+        clips = [clip(3, 56, 84, 1), clip(5, 112, 56, 2)]
+        counts = {}
+        for modality, items in (("image", images), ("video", clips)):
+            media = {"images": items} if modality == "image" else {"videos": items, "do_sample_frames": False}
+            text = " ".join([PROMPTS[model_type][modality]] * len(items))
+            ids = hf(text=[text], return_tensors="pt", **media)["input_ids"][0].tolist()
+            row_token = PROMPTS[model_type]["video_row_token" if modality == "video" else "image_token"]
+            counts[modality] = ids.count(hf.tokenizer.convert_tokens_to_ids(row_token))
+        with ServerProcess("--model", str(folder), "--wire-format", "sglang") as server:
+            epd_case(model_type, folder, server.url, "image", images, counts["image"],
+                     f"{model_type} image: 2 images through SGLang's receiver into its get_mm_data")
+            if model_type == "kimi_k25":
+                kimi_video_refused(folder, server.url, clips)
+            else:
+                epd_case(model_type, folder, server.url, "video", clips, counts["video"],
+                         f"{model_type} video: 2 clips (3 and 5 frames) through SGLang's receiver into its get_mm_data")
+
+
+def kimi_video_refused(folder, url: str, clips: list) -> None:
+    """SGLang 0.5.23's Kimi K2.5 language side has no video path (`get_mm_data` builds image items from
+    `img_grid_thw` only): our video rows arrive and are merged with their grid, and its `get_mm_data` fails on
+    them (so SGLang fails the request), as it would on its own encoder's."""
+    import httpx
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from tests.kimi_glm5_minimax_checkpoints import PROMPTS
+
+    step = "kimi_k25 video: our rows reach SGLang, whose Kimi get_mm_data takes no video (the request fails there)"
+    processor, hf = epd_language_processor("kimi_k25", folder)
+    seen = {}
+    own = processor.get_validated_mm_data
+
+    def watched(prompt, embeddings, **meta):
+        seen["embeddings"], seen["meta"] = embeddings, meta
+        try:
+            return own(prompt, embeddings, **meta)
+        except Exception as exc:
+            seen["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            raise
+
+    processor.get_validated_mm_data = watched
+    item = frames_b64(clips[0])
+    ours = httpx.post(url + "/encode", json={"req_id": f"ref-{time.monotonic_ns()}", "modality": "video",
+                                            "mm_items": [item], "return_embedding": True}, timeout=120).json()
+    prompt_ids = hf.tokenizer.encode(PROMPTS["kimi_k25"]["video"], add_special_tokens=False)
+    request = GenerateReqInput(input_ids=list(prompt_ids), rid=f"req{time.monotonic_ns()}",
+                               video_data=[{"url": item}])
+    receiver = tokenizer_receiver([url], "zmq_to_tokenizer")
+    receiver.model_type = "kimi_k25"
+    out = asyncio.run(receiver.recv_mm_data(request, processor, list(prompt_ids)))
+    got = {modality.name: tuple(tensor.shape) for modality, tensor in seen.get("embeddings", {}).items()}
+    grid = seen.get("meta", {}).get("video_grid_thw")
+    grid = None if grid is None else grid.tolist()
+    arrived = got == {"VIDEO": tuple(ours["embedding_shape"])} and grid == [i["grid_thw"] for i in ours["items"]]
+    record(step, out is None and arrived and "error" in seen,
+           f"received {got}, video_grid_thw {grid} (ours: {ours['embedding_shape']}, "
+           f"{[i['grid_thw'] for i in ours['items']]}); get_mm_data: {seen.get('error', 'no error')}")
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -857,6 +1035,8 @@ def main() -> int:
     omni_language_side()
     for family in args.families:
         av_family_checks(family)
+    with tempfile.TemporaryDirectory() as work:
+        kimi_glm5_minimax_checks(work)
     width = max(len(step) for step, _, _ in RESULTS)
     print("\n| step | result |\n| --- | --- |")
     for step, ok, _ in RESULTS:

@@ -20,8 +20,8 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 "${PIP[@]}" ipython==9.18.1 msgspec==0.22.0 pybase64==1.5.1 psutil==7.2.2 apache-tvm-ffi==0.1.11 \
     sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf==0.19.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 \
     dill==0.4.1 setproctitle==1.3.8 python-multipart==0.0.34
-# The Muse Spark and Dots3-Note processors import their model modules, which import einops; the
-# compat script sends a video file, which this server decodes with PyAV (its `video` extra).
+# The Muse Spark, Dots3-Note, Kimi K2.5, GLM-4V / GLM-5-Next and MiniMax-M3 processors import their model
+# modules, which import einops; the compat script sends a video file, which this server decodes with PyAV.
 "${PIP[@]}" einops==0.8.2 av==18.1.0
 # This server's own dependencies (pyproject.toml), so the script can start it from the same venv.
 "${PIP[@]}" "fastapi>=0.110" "uvicorn>=0.51" "httptools>=0.6" "uvloop>=0.19" "pydantic>=2.6" "aiohttp>=3.9" \
