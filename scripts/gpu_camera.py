@@ -1,4 +1,4 @@
-"""Issue 14's GPU figures, for a lent GPU machine: camera images through Qwen2.5-VL-7B's vision tower.
+"""GPU figures on one NVIDIA H100 or H200: camera images through Qwen2.5-VL-7B's vision tower.
 
 The tower has the published 7B shape (32 blocks, width 1,280, windowed attention with full attention in
 blocks 7/15/23/31), random weights with a fixed seed, bfloat16; the images are the camera benchmark's
@@ -18,7 +18,7 @@ blocks 7/15/23/31), random weights with a fixed seed, bfloat16; the images are t
     PYTHONPATH=$PWD THP_MEM_ALLOC_ENABLE=1 python scripts/gpu_camera.py --parts forward,service --out $OUT/results.jsonl
 
 (`--tower tiny` dry-runs the forward part on a CPU.) The packages the server needs beyond the GPU image's
-travel as wheels; docs/BENCHMARKS.md has the command used on the lent H100.
+travel as wheels; docs/BENCHMARKS.md has the command used on one H100.
 """
 
 from __future__ import annotations
