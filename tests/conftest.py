@@ -15,6 +15,13 @@ from pathlib import Path
 
 import pytest
 
+# Network safety: nothing in the tests may reach the real Hugging Face Hub. Tests of models by Hub id run a
+# stand-in on loopback and set these variables for their own processes; anything else that would resolve a
+# Hub id fails at once, offline, and any request that slips through goes to a loopback port nobody serves.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
 #: Test modules that start no server or worker process: the quick tier.
 QUICK_MODULES = frozenset({
     "test_bench_workloads", "test_cost_model", "test_demand", "test_embedding_cache", "test_endpoints",

@@ -80,7 +80,7 @@ def test_a_folder_that_does_not_exist_is_said_so():
     assert "./no/such/folder" in line and "does not exist" in line and "unknown model" not in line
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen-nope", "org/name"])
+@pytest.mark.parametrize("model", ["tiny-qwen-nope", "no_such_model"])
 def test_a_name_that_is_neither_builtin_nor_a_folder_is_an_unknown_model_listing_the_builtins(model):
     with pytest.raises(CheckpointError) as refused:
         load_adapter(model, "cpu")
