@@ -3,12 +3,12 @@
 # code against this server. Never the project's venv: SGLang is not a dependency, and the install is
 # several GB (torch's CUDA build, which runs on CPU too). Versions are the ones the checks were run with.
 #
-#   scripts/sglang_compat.sh [VENV]           # default VENV: /work/sidevenv
+#   scripts/sglang_compat.sh [VENV]           # default VENV: .sglang-venv in the repository (gitignored)
 #   PYTHONPATH=$PWD VENV/bin/python scripts/sglang_compat.py
 #   PYTHONPATH=$PWD VENV/bin/python scripts/sglang_golden.py check
 set -euo pipefail
 
-VENV="${1:-/work/sidevenv}"
+VENV="${1:-$(cd "$(dirname "$0")/.." && pwd)/.sglang-venv}"
 PYTHON="${PYTHON:-python3.11}"
 PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 
