@@ -36,18 +36,21 @@ END = "<|endoftext|>"
 
 @dataclass(frozen=True)
 class Prompts:
-    """A checkpoint's placeholder prompts and token, per modality."""
+    """A checkpoint's placeholders per modality: what a prompt holds for one item, and the token its rows fill."""
 
-    text: dict[str, str]  # modality -> a prompt with one item's placeholder
+    placeholder: dict[str, str]  # modality -> one item's placeholder in a prompt
     token: dict[str, str]  # modality -> the placeholder token the item's rows fill
+
+    def prompt(self, modality: str, count: int = 1) -> str:
+        """A prompt with `count` items of the modality."""
+        return "Describe " + " and ".join([self.placeholder[modality]] * count) + " please."
 
 
 VISION_PROMPTS = Prompts(
-    text={"image": "Describe <|vision_start|><|image_pad|><|vision_end|> please.",
-          "video": "Describe <|vision_start|><|video_pad|><|vision_end|> please."},
+    placeholder={"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                 "video": "<|vision_start|><|video_pad|><|vision_end|>"},
     token={"image": "<|image_pad|>", "video": "<|video_pad|>"})
-AUDIO_PROMPTS = Prompts(text={"audio": "Transcribe <|audio_bos|><|AUDIO|><|audio_eos|> please."},
-                        token={"audio": "<|AUDIO|>"})
+AUDIO_PROMPTS = Prompts(placeholder={"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"}, token={"audio": "<|AUDIO|>"})
 
 
 def prompts_for(model_type: str) -> Prompts:

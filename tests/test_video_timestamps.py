@@ -98,7 +98,7 @@ def test_timestamps_are_what_the_transformers_processor_writes_for_the_same_fram
     frames = clip(len(indices), 64, 48, len(indices))
     layout = adapter.item_layout("video", VideoClip(frames, fps, indices))
     metadata = {"fps": fps, "frames_indices": list(indices), "total_num_frames": indices[-1] + 1}
-    out = processor(text=[VISION_PROMPTS.text["video"]], videos=[frames], video_metadata=[metadata],
+    out = processor(text=[VISION_PROMPTS.prompt("video")], videos=[frames], video_metadata=[metadata],
                     do_sample_frames=False, return_tensors="pt")
     written = prompt_timestamps(processor.tokenizer.decode(out["input_ids"][0]))
     assert layout.grid_thw == tuple(out["video_grid_thw"][0].tolist())
