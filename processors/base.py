@@ -63,9 +63,15 @@ class ItemLayout:
     # A video's temporal clips: the frame position (an index into the frames as sampled) each clip's timestamp
     # is taken at; the SGLang wire divides them by the sampling fps into `video_timestamps`. Not part of equality.
     clip_frames: tuple[float, ...] | None = field(default=None, compare=False)
+    # Video, for models whose prompt names each temporal patch's time (Qwen3-VL, Qwen3.5): the seconds
+    # of each of the `t` patches (`processors/video_clip.py`). Not part of equality either.
+    video_timestamps: tuple[float, ...] | None = field(default=None, compare=False)
 
     def as_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "grid_thw": list(self.grid_thw)}
+        out: dict[str, Any] = {"tokens": self.tokens, "grid_thw": list(self.grid_thw)}
+        if self.video_timestamps is not None:
+            out["video_timestamps"] = list(self.video_timestamps)
+        return out
 
 
 @dataclass

@@ -10,6 +10,9 @@ size is chosen (`image_size`) and how the tower is run (`run_tower`, which retur
 
 Rows never depend on the items fused beside them: these towers attend within each item only (or within
 windows of it, Qwen2.5-Omni's), and their position embeddings come from each item's own grid.
+
+With `video_timestamps`, a video's layout also holds the seconds of each temporal patch, which
+Qwen3-VL's prompt names (`processors/video_clip.py`); GLM-4V's prefill side does not read them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from . import aligned_mlp
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .packed_attention import use_packed_attention
 from .patch_embed import ItemPixelsForward, patches_as_matmul
+from .video_clip import clip_timestamps
 from .video_patches import VideoPatcher
 
 #: (height, width) of an image -> the (height, width) the image processor resizes it to.
@@ -40,7 +44,8 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
     """A patch-grid vision tower on images (PIL image processor) and videos (`VideoPatcher`)."""
 
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
-                 image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype) -> None:
+                 image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype,
+                 video_timestamps: bool = False) -> None:
         from .fast_patches import accelerated  # imports transformers' Qwen2-VL and GLM-4V processors
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
@@ -52,6 +57,7 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
         self.video = video
         self.image_size = image_size
         self.run_tower = run_tower
+        self.video_timestamps = video_timestamps
         self.device = device
         self.dtype = dtype
         self.info = info
@@ -78,18 +84,21 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
         t, h, w = grid
         return int(t) * int(h) * int(w) // (self.merge_size**2)
 
+    def _video_layout(self, frames: Any, grid: Sequence[int]) -> ItemLayout:
+        timestamps = clip_timestamps(frames, self.video.temporal_patch_size) if self.video_timestamps else None
+        return ItemLayout(tokens=self._rows(grid), grid_thw=tuple(int(v) for v in grid), video_timestamps=timestamps)
+
     def item_layout(self, modality: str, item: Any) -> ItemLayout:
         if modality == "video":
-            grid = self.video.layout(item).grid_thw
-        else:
-            if not isinstance(item, Image.Image):
-                raise ItemError(f"expected an image, got {type(item).__name__}")
-            width, height = item.size
-            try:
-                height, width = self.image_size(height, width)
-            except ValueError as exc:
-                raise ItemError(f"image of {width}x{height} pixels: {exc}") from None
-            grid = (1, height // self.patch_size, width // self.patch_size)
+            return self._video_layout(item, self.video.layout(item).grid_thw)
+        if not isinstance(item, Image.Image):
+            raise ItemError(f"expected an image, got {type(item).__name__}")
+        width, height = item.size
+        try:
+            height, width = self.image_size(height, width)
+        except ValueError as exc:
+            raise ItemError(f"image of {width}x{height} pixels: {exc}") from None
+        grid = (1, height // self.patch_size, width // self.patch_size)
         return ItemLayout(tokens=self._rows(grid), grid_thw=grid)
 
     # --- preprocessing ---------------------------------------------------------------------------
@@ -99,12 +108,14 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
             pieces = [self.video.patches(frames) for frames in items]
             pixels = torch.cat([patches for patches, _ in pieces])
             grid = torch.tensor([layout.grid_thw for _, layout in pieces], dtype=torch.long)
+            layouts = [self._video_layout(frames, clip.grid_thw) for frames, (_, clip) in zip(items, pieces)]
         else:
             for item in items:  # the processor would fail the whole batch on one bad item
                 self.item_layout(modality, item)
             processed = self.image_processor(images=list(items), return_tensors="pt")
             pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
-        layouts = [ItemLayout(tokens=self._rows(row), grid_thw=tuple(int(v) for v in row)) for row in grid.tolist()]
+            layouts = [ItemLayout(tokens=self._rows(row), grid_thw=tuple(int(v) for v in row))
+                       for row in grid.tolist()]
         return PreparedBatch(modality=modality, layouts=layouts, inputs={"pixel_values": pixels, "grid_thw": grid})
 
     def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:

@@ -12,8 +12,10 @@ deepstack (`k = 0`).
 Images: the folder's image processor (`Qwen2VLImageProcessorPil`), `1 x h x w` grids. Videos: the
 folder's `Qwen3VLVideoProcessor` settings (its clip-wide `smart_resize`, the optional per-frame
 pixel cap) applied by `VideoPatcher` without torchvision; a `t x h x w` grid, `t` = frames / 2
-rounded up. The prompt's per-frame timestamps are the prefill side's business; the rows are the
-same.
+rounded up. The prompt names each temporal patch's time (`<t seconds>`): a video's layout carries
+those seconds (`video_timestamps`), computed from the frames the server sampled as
+`Qwen3VLProcessor` computes them (`processors/video_clip.py`), for the prefill side to rebuild the
+prompt the model was trained on.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video
                      hidden_size=int(config.out_hidden_size), deepstack=deepstack_count(config))
     video = VideoPatcher(video_processor)
     return GridVisionAdapter(info, tower, image_processor, video, image_size_of(image_processor), run_qwen3_tower,
-                             device, dtype)
+                             device, dtype, video_timestamps=True)
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

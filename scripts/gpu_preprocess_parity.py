@@ -8,7 +8,7 @@ script prints the largest absolute difference, the mean one, and whether it is w
 (in normalised pixel units, where one uint8 step is about 0.015 for Qwen's mean/std). Needs torchvision:
 run it in a side environment, never in CI:
 
-    /work/sidevenv/bin/python scripts/gpu_preprocess_parity.py
+    .sglang-venv/bin/python scripts/gpu_preprocess_parity.py   # the side venv of scripts/sglang_compat.sh
 """
 
 from __future__ import annotations

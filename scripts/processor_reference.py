@@ -4,7 +4,7 @@ The Qwen3-VL and GLM-4V processors need torchvision for their video processors, 
 project's venv does not have, so this runs in a Python that has it (torch + torchvision +
 transformers), on the very folders and media of `tests/vlm_fixtures.py`:
 
-    PYTHONPATH=$PWD /work/sidevenv/bin/python scripts/processor_reference.py
+    PYTHONPATH=$PWD .sglang-venv/bin/python scripts/processor_reference.py   # the side venv of scripts/sglang_compat.sh
 
 For every tested model type and processor-file layout it records, per test image and clip, the
 number of placeholder tokens `AutoProcessor.from_pretrained(folder)` inserts into `input_ids` (the

@@ -6,8 +6,8 @@ must equal that number. The full processors of qwen2_5_vl, qwen2_vl and internvl
 processor, which needs torchvision (absent from the project's environment and CI), so this script
 runs them once in an environment that has it:
 
-    /work/sidevenv/bin/python scripts/reference_prefill_counts.py   # torch 2.14.1, torchvision 0.29.1,
-                                                                     # transformers 5.23.0
+    .sglang-venv/bin/python scripts/reference_prefill_counts.py
+    # (the side venv of scripts/sglang_compat.sh: torch 2.14.1, torchvision 0.29.1, transformers 5.23.0)
 
 For each family it builds the tiny checkpoint of `tests/checkpoints.py`, saves the full processor
 (image processor, video processor, a tiny tokenizer) into it with `save_pretrained`, loads it back

@@ -6,8 +6,8 @@ torchvision, on the cases in `CASES` (processor config files in a checkpoint fol
 given frame counts and sizes), and prints each clip's `video_grid_thw` and row count; those numbers
 are committed in `tests/test_qwen_video_settings.py` as literal expectations.
 
-    /work/sidevenv/bin/python scripts/reference_video_grids.py   # torch 2.14.1, torchvision 0.29.1,
-                                                                  # transformers 5.23.0
+    .sglang-venv/bin/python scripts/reference_video_grids.py
+    # (the side venv of scripts/sglang_compat.sh: torch 2.14.1, torchvision 0.29.1, transformers 5.23.0)
 
 `CASES` itself is plain data, imported by the test so that both sides use the same cases.
 """

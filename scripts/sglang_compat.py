@@ -1,9 +1,11 @@
 """Drive this encoder with SGLang's own, unchanged language-side code, and print a pass/fail table.
 
 Runs in the side venv that `scripts/sglang_compat.sh` builds (SGLang 0.5.23 and its imports, plus this
-server's dependencies), from the repository root:
+server's dependencies; `.sglang-venv` in the repository unless it was given another folder), from the
+repository root:
 
-    PYTHONPATH=$PWD /work/sidevenv/bin/python scripts/sglang_compat.py
+    PYTHONPATH=$PWD .sglang-venv/bin/python scripts/sglang_compat.py [--language-side-only]
+        [--architectures qwen3_vl ...]
 
 It starts two encoders (the built-in `tiny-qwen2.5-vl`, `--wire-format sglang`, loopback only) and
 uses SGLang's `MMReceiverHTTP` (request building, dispatch, `/scheduler_receive_url` registration,
@@ -43,6 +45,19 @@ prefill's tokenizer does. Each passes when those hold one placeholder per row we
 model's full `transformers` processor inserts), the rows kept are ours byte for byte, and, where the two
 layouts are meant to agree, the `input_ids` equal the full processor's. Importing these processors needs
 `einops` (installed by `scripts/sglang_compat.sh`).
+
+The language side of the Qwen-VL architectures and Qwen2-Audio (`language_side`; `--language-side-only`
+and `--architectures` run only it, or part of it): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, Qwen3.5 and
+its MoE (images and videos) and Qwen2-Audio (audio), each on a tiny checkpoint saved with its full processor
+and an offline byte-level tokenizer (tests/prompt_checkpoints.py) and served by one of our encoders. A
+request of two items (two parts, merged by SGLang's receiver) goes through `recv_mm_data`, which hands the
+merged parts to the model's own SGLang language-side processor, built by SGLang's own `_init_mm_processor`
+with the settings of a `--language-only` server. Each row checks that the `input_ids` it builds hold
+exactly as many placeholder tokens as our rows, that the rows it got are ours byte for byte, that the
+`input_ids` equal those of the model's `transformers` processor for the same media (decoded as we decode
+them), and for Qwen3-VL / Qwen3.5 videos that the `<t seconds>` SGLang wrote are the ones `transformers`
+writes and ours. To add an architecture there: its checkpoint builder in LANGUAGE_CHECKPOINTS and one small function
+per modality in LANGUAGE_CASES; the table at the end has one row per architecture and modality.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import io
 import multiprocessing as mp
 import os
@@ -392,18 +408,25 @@ OMNI_BOUNDARIES = {"image": ("vision_bos_token", "vision_eos_token"), "video": (
 
 
 def allow_missing_einops() -> None:
-    """`sglang.srt.models.qwen3_vl` imports `einops` at the top for code the language-side processor never runs;
-    the side venv may lack it. A stand-in that fails if called is installed only then."""
+    """SGLang's model modules (`sglang.srt.models.qwen3_vl` and others, which its processor modules import for
+    their classes) import `einops` at the top for code the language-side processors never run; the side venv
+    may lack it. A stand-in whose every function fails if called is installed only then (once)."""
     import importlib.util
 
-    if importlib.util.find_spec("einops") is None:
-        stand_in = types.ModuleType("einops")
+    if "einops" in sys.modules or importlib.util.find_spec("einops") is not None:
+        return
+    stand_in = types.ModuleType("einops")
 
-        def rearrange(*args, **kwargs):
-            raise RuntimeError("einops stand-in: not installed in this venv")
+    def missing(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
 
-        stand_in.rearrange = rearrange
-        sys.modules["einops"] = stand_in
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"einops stand-in: einops.{name} is not installed in this venv")
+        return unavailable
+
+    stand_in.__getattr__ = missing
+    sys.modules["einops"] = stand_in
 
 
 def omni_language_processor(folder, model_type: str):
@@ -991,6 +1014,276 @@ def kimi_video_refused(folder, url: str, clips: list) -> None:
            f"{[i['grid_thw'] for i in ours['items']]}); get_mm_data: {seen.get('error', 'no error')}")
 
 
+# --- the language side: the model's own SGLang processor on what SGLang's receiver merged -----------
+#
+# For the Qwen-VL architectures and Qwen2-Audio: a tiny checkpoint saved with its full processor and an offline
+# byte-level tokenizer (tests/prompt_checkpoints.py), one of our encoders serving it, and SGLang's own
+# language-side processor for it, built the way SGLang's receiver builds it (`_init_mm_processor`).
+# A request goes out through SGLang's `recv_mm_data` (dispatch, then its receive path: unpickling,
+# `_aggregate_embedding_part`, `get_mm_extra_meta`), which hands the merged parts to
+# `mm_processor.get_validated_mm_data(prompt, embeddings, **received fields)` exactly as a prefill
+# server does. Each (architecture, modality) is one small function in LANGUAGE_CASES; to add an
+# architecture, add its checkpoint builder to LANGUAGE_CHECKPOINTS and its cases to LANGUAGE_CASES.
+
+@dataclasses.dataclass
+class LanguageRow:
+    """One row of the language-side table."""
+
+    architecture: str
+    modality: str
+    ok: bool
+    rows: int | None = None  # our embedding rows for the request
+    placeholders: int | None = None  # placeholder tokens in the input_ids SGLang's processor built
+    same_input_ids: bool | None = None  # those input_ids equal transformers' processor's for the same media
+    timestamps: str = "-"  # the `<t seconds>` SGLang wrote (Qwen3-VL, Qwen3.5 videos), or "none"
+    detail: str = ""
+
+
+LANGUAGE_RESULTS: list[LanguageRow] = []
+
+
+def record_language(row: LanguageRow) -> None:
+    LANGUAGE_RESULTS.append(row)
+    print(f"[{'PASS' if row.ok else 'FAIL'}] language side, {row.architecture} {row.modality}: {row.detail}",
+          flush=True)
+
+
+def sglang_language_processor(folder) -> tuple:
+    """SGLang's language-side processor for a checkpoint folder, as its EPD receiver builds it.
+
+    The settings are a `--language-only` server's, so SGLang's own check that the architecture may run
+    disaggregated applies; the encoder URL in them is never contacted (nothing here starts a server). The
+    prefix cache, which the processor does not touch, is off: for Qwen3.5's linear-attention layers its
+    default needs a GPU platform."""
+    allow_missing_einops()
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.disaggregation.encoder.receiver import MMReceiverHTTP
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=str(folder), device="cpu", language_only=True,
+                             encoder_urls=["http://127.0.0.1:9"], encoder_transfer_backend="zmq_to_tokenizer",
+                             disable_radix_cache=True)
+    publish(server_args, role="tokenizer")
+    model_config = ModelConfig.from_server_args(server_args)
+    holder = MMReceiverHTTP.__new__(MMReceiverHTTP)
+    holder._init_mm_processor(server_args, model_config.hf_config, model_config)
+    return holder.mm_processor, model_config.hf_config.model_type
+
+
+class ServedModel:
+    """One architecture under test: its tiny checkpoint, our encoder serving it, SGLang's language-side
+    processor and `transformers`' processor for it."""
+
+    def __init__(self, model_type: str, folder, server) -> None:
+        import httpx
+        from transformers import AutoProcessor
+
+        from tests.prompt_checkpoints import ARCHITECTURES, prompts_for
+
+        self.model_type, self.folder, self.server = model_type, folder, server
+        self.architecture = ARCHITECTURES[model_type]
+        self.prompts = prompts_for(model_type)
+        self.mm_processor, sglang_model_type = sglang_language_processor(folder)
+        if sglang_model_type != model_type:
+            raise RuntimeError(f"SGLang reads the folder as {sglang_model_type}, not {model_type}")
+        self.hf_processor = AutoProcessor.from_pretrained(folder)
+        settings = httpx.get(server.url + "/server_info", timeout=30).json()["settings"]
+        self.video_fps = float(settings["video_fps"])
+
+    def token_id(self, modality: str) -> int:
+        return self.hf_processor.tokenizer.convert_tokens_to_ids(self.prompts.token[modality])
+
+
+def ours(model: ServedModel, modality: str, items: list) -> dict:
+    """Our own answer for the items in one request: rows, items (grids, timestamps), embedding bytes."""
+    import httpx
+
+    response = httpx.post(model.server.url + "/encode", timeout=120, json={
+        "req_id": f"ours-{time.monotonic_ns()}", "modality": modality, "mm_items": items, "return_embedding": True})
+    response.raise_for_status()
+    return response.json()
+
+
+def through_sglang(model: ServedModel, modality: str, items: list, prompt: str) -> tuple:
+    """Send the items to our encoder through SGLang's tokenizer-side receiver (`recv_mm_data`; two parts when
+    there are two or more items: our encoder listed twice) and return what the model's language-side processor
+    built and what SGLang handed it (`RecordingProcessor`). A video as frames goes as `{"url": {"frames":
+    [...]}}`, which SGLang's `_extract_url_data` passes on to us as `{"frames": [...]}`."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    urls = [model.server.url] * min(2, len(items))
+    receiver = tokenizer_receiver(urls, "zmq_to_tokenizer")
+    receiver.model_type = model.model_type
+    recording = RecordingProcessor(model.mm_processor)
+    data = [item if isinstance(item, str) else {"url": item} for item in items]
+    request = GenerateReqInput(text=prompt, rid=f"req{time.monotonic_ns()}", **{f"{modality}_data": data})
+    output = asyncio.run(receiver.recv_mm_data(request, recording, prompt))
+    if output is None:
+        raise RuntimeError("SGLang's receiver gave nothing (see the log above)")
+    return output, recording
+
+
+def check_language_side(model: ServedModel, modality: str, items: list, transformers_media: dict,
+                        timestamps: bool) -> LanguageRow:
+    """One request of `items` through SGLang; the checks every case shares.
+
+    `transformers_media`: the same media as `transformers`' processor takes it (decoded as our server
+    decodes it). `timestamps`: whether the model's prompt names each video patch's time."""
+    import torch
+
+    from tests.prompt_checkpoints import prompt_timestamps
+
+    prompt = model.prompts.prompt(modality, len(items))
+    reference = ours(model, modality, items)
+    output, received = through_sglang(model, modality, items, prompt)
+    rows = reference["embedding_shape"][0]
+    token = model.token_id(modality)
+    placeholders = sum(1 for token_id in output.input_ids if token_id == token)
+    merged = received.embeddings
+    (merged_modality, merged_rows), = merged.items()
+    merged_bytes = merged_rows.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    same_bytes = merged_modality.name.lower() == modality and merged_bytes == base64.b64decode(reference["embedding"])
+    expected = model.hf_processor(text=[prompt], return_tensors="pt", **transformers_media)["input_ids"][0].tolist()
+    same_ids = list(output.input_ids) == expected
+    tokenizer = model.hf_processor.tokenizer
+    written = prompt_timestamps(tokenizer.decode(list(output.input_ids)))
+    if timestamps:
+        ours_text = [f"{seconds:.1f}" for item in reference["items"] for seconds in item["video_timestamps"]]
+        stamps_ok = bool(written) and written == prompt_timestamps(tokenizer.decode(expected)) == ours_text
+        stamps = " ".join(written) or "none"
+    else:
+        stamps_ok, stamps = not written, "none"
+    fields = {key: plain(value) for key, value in received.meta.items() if value is not None}
+    ok = placeholders == rows and same_bytes and same_ids and stamps_ok
+    detail = (f"{len(items)} item(s), our rows {rows}, SGLang's prompt {placeholders} placeholders; merged rows "
+              f"{'identical to ours' if same_bytes else 'DIFFERENT from ours'}; input_ids "
+              f"{'equal' if same_ids else 'DIFFER from'} transformers'; timestamps {stamps}"
+              f"{'' if stamps_ok else ' (MISMATCH with transformers or ours)'}; received {fields}")
+    return LanguageRow(model.architecture, modality, ok, rows, placeholders, same_ids, stamps, detail)
+
+
+def plain(value):
+    """Tensors (and lists of them) as plain numbers, for printing."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value
+
+
+def png_frames(count: int, width: int, height: int, seed: int) -> list[str]:
+    return [png_b64(width, height, seed * 100 + index) for index in range(count)]
+
+
+def pil_of(b64: str):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
+
+
+def wav_b64(seconds: float, rate: int, seed: int) -> str:
+    import numpy as np
+    import soundfile
+
+    wave = (0.1 * np.random.default_rng(seed).standard_normal(int(seconds * rate))).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave, rate, format="WAV", subtype="FLOAT")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def qwen_vl_images(model: ServedModel) -> LanguageRow:
+    """Two images of different sizes (two parts)."""
+    items = [png_b64(56, 84, seed=11), png_b64(112, 56, seed=12)]
+    return check_language_side(model, "image", items, {"images": [pil_of(item) for item in items]}, timestamps=False)
+
+
+def qwen_vl_videos(model: ServedModel, timestamps: bool = False) -> LanguageRow:
+    """Two videos as frames (two parts): 5 frames (an odd count) and 4, sampled at our --video-fps."""
+    clips = [png_frames(5, 64, 48, seed=21), png_frames(4, 96, 64, seed=22)]
+    media = {"videos": [[pil_of(frame) for frame in frames] for frames in clips], "do_sample_frames": False,
+             "video_metadata": [{"fps": model.video_fps, "frames_indices": list(range(len(frames))),
+                                 "total_num_frames": len(frames)} for frames in clips]}
+    return check_language_side(model, "video", [{"frames": frames} for frames in clips], media, timestamps)
+
+
+def qwen3_vl_videos(model: ServedModel) -> LanguageRow:
+    """As `qwen_vl_videos`, and the `<t seconds>` SGLang writes must be transformers' for the same frames."""
+    return qwen_vl_videos(model, timestamps=True)
+
+
+def qwen2_audio_clips(model: ServedModel) -> LanguageRow:
+    """Two clips of different lengths (two parts), at the feature extractor's rate."""
+    import soundfile
+
+    rate = model.hf_processor.feature_extractor.sampling_rate
+    items = [wav_b64(1.3, rate, seed=31), wav_b64(2.6, rate, seed=32)]
+    waves = [soundfile.read(io.BytesIO(base64.b64decode(item.split(",", 1)[1])), dtype="float32")[0]
+             for item in items]
+    return check_language_side(model, "audio", items, {"audio": waves, "sampling_rate": rate}, timestamps=False)
+
+
+#: model_type -> how its tiny checkpoint folder is built: `(model_type, folder) -> folder`.
+def _prompt_checkpoint(model_type: str, folder):
+    from tests.prompt_checkpoints import build
+
+    return build(model_type, folder)
+
+
+LANGUAGE_CHECKPOINTS = {model_type: _prompt_checkpoint for model_type in (
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio")}
+
+#: (model_type, modality, check): one row of the table each.
+LANGUAGE_CASES = [
+    ("qwen2_vl", "image", qwen_vl_images), ("qwen2_vl", "video", qwen_vl_videos),
+    ("qwen2_5_vl", "image", qwen_vl_images), ("qwen2_5_vl", "video", qwen_vl_videos),
+    ("qwen3_vl", "image", qwen_vl_images), ("qwen3_vl", "video", qwen3_vl_videos),
+    ("qwen3_vl_moe", "image", qwen_vl_images), ("qwen3_vl_moe", "video", qwen3_vl_videos),
+    ("qwen3_5", "image", qwen_vl_images), ("qwen3_5", "video", qwen3_vl_videos),
+    ("qwen3_5_moe", "image", qwen_vl_images), ("qwen3_5_moe", "video", qwen3_vl_videos),
+    ("qwen2_audio", "audio", qwen2_audio_clips),
+]
+
+
+def language_side(model_types: list[str] | None = None) -> None:
+    """Every case of LANGUAGE_CASES, one encoder per architecture."""
+    import tempfile
+    from pathlib import Path
+
+    from encode_server.bench.launcher import ServerProcess
+    from tests.prompt_checkpoints import ARCHITECTURES
+
+    wanted = list(dict.fromkeys(model_type for model_type, _, _ in LANGUAGE_CASES))
+    for model_type in (model_types or wanted):
+        cases = [(modality, check) for kind, modality, check in LANGUAGE_CASES if kind == model_type]
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"compat-{model_type}-") as root:
+                folder = LANGUAGE_CHECKPOINTS[model_type](model_type, Path(root) / model_type)
+                with ServerProcess("--model", str(folder), "--wire-format", "sglang") as server:
+                    model = ServedModel(model_type, folder, server)
+                    for modality, check in cases:
+                        try:
+                            record_language(check(model))
+                        except Exception as exc:
+                            record_language(LanguageRow(model.architecture, modality, False, detail=repr(exc)[:600]))
+                            traceback.print_exc()
+        except Exception as exc:
+            traceback.print_exc()
+            for modality, _ in cases:
+                record_language(LanguageRow(ARCHITECTURES.get(model_type, model_type), modality, False,
+                                            detail=f"could not set up: {exc!r}"[:600]))
+
+
+def print_language_table() -> None:
+    print("\n| architecture | modality | our rows | SGLang placeholders | input_ids = transformers' "
+          "| timestamps in SGLang's prompt | result |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for row in LANGUAGE_RESULTS:
+        same = "-" if row.same_input_ids is None else ("yes" if row.same_input_ids else "NO")
+        print(f"| {row.architecture} | {row.modality} | {row.rows if row.rows is not None else '-'} | "
+              f"{row.placeholders if row.placeholders is not None else '-'} | {same} | {row.timestamps} | "
+              f"{'PASS' if row.ok else 'FAIL'} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen2.5-vl")
@@ -998,6 +1291,11 @@ def main() -> int:
     parser.add_argument("--families", nargs="*", default=list(AV_FAMILIES), choices=list(AV_FAMILIES),
                         help="image + video + audio families whose SGLang get_mm_data is checked (tiny checkpoints "
                              "built here; their SGLang processors need einops, and video files need av)")
+    parser.add_argument("--architectures", nargs="+", metavar="MODEL_TYPE",
+                        help="the Qwen-VL / Qwen2-Audio language-side step for these model types only "
+                             f"(default: {' '.join(LANGUAGE_CHECKPOINTS)})")
+    parser.add_argument("--language-side-only", action="store_true",
+                        help="run only the Qwen-VL / Qwen2-Audio language-side step")
     args = parser.parse_args()
     quiet()
     if args.only_omni:
@@ -1009,6 +1307,9 @@ def main() -> int:
     from encode_server.bench.launcher import ServerProcess
 
     print(f"SGLang {sglang.__version__} from {os.path.dirname(sglang.__file__)}", flush=True)
+    if args.language_side_only:
+        language_side(args.architectures)
+        return report()
     flags = ("--model", args.model, "--wire-format", "sglang", "--send-timeout-s", str(SEND_TIMEOUT_S))
     image_a, image_b = png_b64(56, 84, seed=1), png_b64(112, 56, seed=2)
     data_uri_b = "data:image/png;base64," + image_b
@@ -1037,13 +1338,24 @@ def main() -> int:
         av_family_checks(family)
     with tempfile.TemporaryDirectory() as work:
         kimi_glm5_minimax_checks(work)
-    width = max(len(step) for step, _, _ in RESULTS)
-    print("\n| step | result |\n| --- | --- |")
-    for step, ok, _ in RESULTS:
-        print(f"| {step.ljust(width)} | {'PASS' if ok else 'FAIL'} |")
-    passed = sum(ok for _, ok, _ in RESULTS)
-    print(f"\n{passed} passed, {len(RESULTS) - passed} failed")
-    return 0 if passed == len(RESULTS) else 1
+    language_side(args.architectures)
+    return report()
+
+
+def report() -> int:
+    """The steps' table, the Qwen-VL / Qwen2-Audio language side's table, and the exit status (0: every row
+    passed)."""
+    if RESULTS:
+        width = max(len(step) for step, _, _ in RESULTS)
+        print("\n| step | result |\n| --- | --- |")
+        for step, ok, _ in RESULTS:
+            print(f"| {step.ljust(width)} | {'PASS' if ok else 'FAIL'} |")
+    if LANGUAGE_RESULTS:
+        print_language_table()
+    outcomes = [ok for _, ok, _ in RESULTS] + [row.ok for row in LANGUAGE_RESULTS]
+    passed = sum(outcomes)
+    print(f"\n{passed} passed, {len(outcomes) - passed} failed")
+    return 0 if outcomes and passed == len(outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
 # code against this server. Never the project's venv: SGLang is not a dependency, and the install is
 # several GB (torch's CUDA build, which runs on CPU too). Versions are the ones the checks were run with.
 #
-#   scripts/sglang_compat.sh [VENV]           # default VENV: /work/sidevenv
+#   scripts/sglang_compat.sh [VENV]           # default VENV: .sglang-venv in the repository (gitignored)
 #   PYTHONPATH=$PWD VENV/bin/python scripts/sglang_compat.py
 #   PYTHONPATH=$PWD VENV/bin/python scripts/sglang_golden.py check
 set -euo pipefail
 
-VENV="${1:-/work/sidevenv}"
+VENV="${1:-$(cd "$(dirname "$0")/.." && pwd)/.sglang-venv}"
 PYTHON="${PYTHON:-python3.11}"
 PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 
@@ -26,5 +26,5 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 # This server's own dependencies (pyproject.toml), so the script can start it from the same venv.
 "${PIP[@]}" "fastapi>=0.110" "uvicorn>=0.51" "httptools>=0.6" "uvloop>=0.19" "pydantic>=2.6" "aiohttp>=3.9" \
     "pyzmq>=26.4" "orjson>=3.9" "pillow>=10" "numpy>=1.26" "prometheus_client>=0.20" "safetensors>=0.4" \
-    "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27"
+    "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "huggingface_hub>=1.31,<3" "blake3>=0.4"
 "$VENV/bin/python" -W ignore -c "import sglang, sglang.srt.disaggregation.encoder.receiver; print('SGLang', sglang.__version__, 'ready in $VENV')"

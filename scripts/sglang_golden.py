@@ -9,16 +9,17 @@
               `safe_pickle_loads`; they must come back as SGLang's classes with the right values, and
               merge through SGLang's `_aggregate_embedding_part`.
 
-Run (from the repository root; the side venv is built by scripts/sglang_compat.sh):
+Run (from the repository root; VENV is the side venv that scripts/sglang_compat.sh builds, by default
+`.sglang-venv`):
 
-    PYTHONPATH=$PWD /work/sidevenv/bin/python scripts/sglang_golden.py generate   # SGLang 0.5.23 as installed
-    PYTHONPATH=$PWD /work/sidevenv/bin/python scripts/sglang_golden.py check
+    PYTHONPATH=$PWD VENV/bin/python scripts/sglang_golden.py generate   # SGLang 0.5.23 as installed
+    PYTHONPATH=$PWD VENV/bin/python scripts/sglang_golden.py check
 
 and for 0.5.21 (where `Modality` is still defined in `schedule_batch`, our default class path):
 
-    /work/sidevenv/bin/pip download --no-deps sglang==0.5.21 -d /tmp/sgl521
+    VENV/bin/pip download --no-deps sglang==0.5.21 -d /tmp/sgl521
     unzip -q /tmp/sgl521/sglang-0.5.21-*.whl 'sglang/*' -d /tmp/sgl521/tree
-    PYTHONPATH=/tmp/sgl521/tree:$PWD /work/sidevenv/bin/python scripts/sglang_golden.py generate
+    PYTHONPATH=/tmp/sgl521/tree:$PWD VENV/bin/python scripts/sglang_golden.py generate
 """
 
 from __future__ import annotations

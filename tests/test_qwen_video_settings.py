@@ -23,8 +23,8 @@ from .checkpoints import qwen25_vl_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
-# Printed by `/work/sidevenv/bin/python scripts/reference_video_grids.py` (transformers 5.23.0's
-# Qwen2VLVideoProcessor via AutoVideoProcessor.from_pretrained(folder)): each clip's video_grid_thw.
+# Printed by `scripts/reference_video_grids.py` in the side venv of scripts/sglang_compat.sh (transformers
+# 5.23.0's Qwen2VLVideoProcessor via AutoVideoProcessor.from_pretrained(folder)): each clip's video_grid_thw.
 EXPECTED_GRIDS = {
     'preprocessor_only': [(3, 4, 4), (2, 12, 18), (1, 4, 4), (2, 6, 34)],
     'video_preprocessor': [(3, 6, 8), (2, 8, 12), (1, 6, 6), (2, 4, 24)],

@@ -14,10 +14,13 @@ modality, embedding, send_time, dtype, shape, _mr_ptr, error_msg, error_code` an
 `video_timestamps, second_per_grid_ts`. `grid_dim` is an int64 tensor: `[n_items, 3]` (t, h, w)
 grids for images and videos, `[n_items]` lengths for audio: mel frames, or rows where the model's
 language side reads those (each layout's `receiver_grid` overrides the default: Muse Spark's merged
-token grids and audio rows). `video_timestamps`, for a model whose layouts name each video clip's
-frame (`clip_frames`), is one list of seconds per video: those frames over `--video-fps`. `modality` is SGLang's
-`Modality` enum (IMAGE=1, VIDEO=2, AUDIO=3). `send_time` is the wall-clock time the frame was made
-(SGLang's own encoder leaves it None; its receivers only copy it).
+token grids and audio rows). `video_timestamps`, for a model whose layouts time each video's temporal
+patches or clips, is one list of seconds (plain floats, as SGLang's encoder sends them) per video, else
+None: the layouts' own `video_timestamps` (Qwen3-VL, Qwen3.5: each patch's seconds, which SGLang's
+processor writes into the prompt as `<t seconds>`), or their `clip_frames` over `--video-fps` (Muse
+Spark). SGLang's receiver chains the parts' lists. `modality` is SGLang's `Modality` enum (IMAGE=1,
+VIDEO=2, AUDIO=3). `send_time` is the wall-clock time the frame was made (SGLang's own encoder leaves
+it None; its receivers only copy it).
 
 The pickle (protocol 4) is produced by Python's own pickler, byte for byte as SGLang's would be
 (tests/golden/ holds frames pickled by real SGLang): two stand-in classes are written under SGLang's
@@ -231,13 +234,18 @@ def receiver_grid(modality: str, layout: Any) -> Any:
 
 
 def video_timestamps(layouts: Sequence[Any], fps: float | None) -> list[list[float]] | None:
-    """Each video's clip timestamps in seconds (`clip_frames` over the sampling fps); None where the model's
-    layouts name no clip frames."""
-    if fps is None or all(layout.clip_frames is None for layout in layouts):
+    """Each video's timestamps in seconds, one list per item, as SGLang's encoder sends them: the layout's
+    `video_timestamps` (Qwen3-VL, Qwen3.5: each temporal patch's seconds), else its `clip_frames` over the
+    sampling fps (Muse Spark); None where the model's layouts name neither."""
+    stamps = [[float(seconds) for seconds in layout.video_timestamps] if layout.video_timestamps is not None
+              else [float(frame) / fps for frame in layout.clip_frames]
+              if layout.clip_frames is not None and fps is not None else None
+              for layout in layouts]
+    if all(stamp is None for stamp in stamps):
         return None
-    if any(layout.clip_frames is None for layout in layouts):
-        raise ValueError("some of this model's video layouts name their clip frames and some do not")
-    return [[float(frame) / fps for frame in layout.clip_frames] for layout in layouts]
+    if any(stamp is None for stamp in stamps):
+        raise ValueError("some of this model's video layouts name their timestamps and some do not")
+    return stamps
 
 
 class SglangWire:
@@ -246,8 +254,9 @@ class SglangWire:
     `seconds_per_grid_step` is `second_per_grid_ts` for every video item (the temporal patch size over the
     sampling fps, as SGLang's own encoder computes it) for the models whose language side reads it
     (`SECONDS_PER_GRID_FAMILIES`); None for other models.
-    `video_fps` (`--video-fps`, the rate video items' frames are taken at) turns the clip frames a model's
-    layouts name into `video_timestamps`.
+    `video_timestamps` come from the video items' layouts: each temporal patch's seconds where the model's
+    layouts hold them, else the clip frames they name over `video_fps` (`--video-fps`, the rate video items'
+    frames are taken at).
     """
 
     def __init__(self, embedding_class: str = EMBEDDING_CLASS, seconds_per_grid_step: float | None = None,
@@ -280,7 +289,6 @@ class SglangWire:
 #: The families whose SGLang language side takes videos' `second_per_grid_ts` (its M-RoPE positions follow
 #: time): the model types SGLang's own encoder computes it for (`preprocessor.py`, 0.5.23).
 SECONDS_PER_GRID_FAMILIES = ("qwen2_5_vl", "qwen2_5_omni", "qwen3_omni_moe")
-
 
 def seconds_per_grid_step(adapter: Any, video_fps: float) -> float | None:
     """Seconds per temporal grid step (temporal patch size / sampling fps) for the families that use it; None

@@ -2,7 +2,10 @@
 
 Images (EXIF orientation applied as `transformers.image_utils.load_image` does), audio (soundfile,
 resampled with librosa, mono), video files (PyAV, sampled at `video_fps`) and videos given as image
-frames. Every failure is a `MediaError` naming the item. Used by the server's media threads, the
+frames. A video comes back as a `VideoClip` (`processors/video_clip.py`): its frames and where they
+sit in the source (the stream's frame rate and each frame's index in it; frames given as images are
+taken as sampled at `video_fps`, frame i at i / video_fps seconds). Every failure is a `MediaError`
+naming the item. Used by the server's media threads, the
 preprocessing workers and the tensor- and data-parallel ranks alike.
 """
 
@@ -14,6 +17,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from processors.video_clip import VideoClip
 
 #: PIL's own bomb guard stays on as a second line; ours (`max_image_pixels`) runs first.
 Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, 200_000_000)
@@ -94,8 +99,12 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float, location: st
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
-def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, location: str) -> list[Image.Image]:
-    """Frames of a video file sampled at `fps` (at most `max_frames`, spread evenly), decoded with PyAV."""
+def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, location: str) -> VideoClip:
+    """Frames of a video file sampled at `fps` (at most `max_frames`, spread evenly), decoded with PyAV.
+
+    The clip says where its frames sit as `transformers`' PyAV reader would: the stream's average
+    frame rate, and each frame's index in decoding order (a stream that gives no rate: `fps` and
+    0, 1, 2, ..., as for frames sent as images)."""
     try:
         import av
     except ImportError:
@@ -124,20 +133,25 @@ def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, loca
             targets = [index * duration / count for index in range(count)]
         else:
             targets = [index / fps for index in range(max_frames)]
+        rate = stream.average_rate or stream.guessed_rate
         frames: list[Image.Image] = []
+        indices: list[int] = []
         try:
-            for frame in container.decode(stream):
+            for index, frame in enumerate(container.decode(stream)):
                 if len(frames) >= len(targets):
                     break
                 when = float(frame.time) if frame.time is not None else len(frames) / fps
                 if when + 1e-6 >= targets[len(frames)]:
                     frames.append(frame.to_image().convert("RGB"))
+                    indices.append(index)
         except Exception as exc:
             if not frames:
                 raise MediaError(location, f"cannot decode video: {exc}") from None
     if not frames:
         raise MediaError(location, "the video has no decodable frames")
-    return frames
+    if not rate or rate <= 0:
+        return VideoClip(frames, fps, range(len(frames)))
+    return VideoClip(frames, float(rate), indices)
 
 
 @dataclass(frozen=True)
@@ -177,7 +191,8 @@ def decode_bytes(modality: str, data: bytes, limits: MediaLimits, location: str,
 
 
 def decode_frames(frames: list[bytes], limits: MediaLimits, location: str,
-                  header_only: bool = False) -> list[Image.Image]:
-    """A video given as a list of image files."""
-    return [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]", header_only)
-            for index, data in enumerate(frames)]
+                  header_only: bool = False) -> VideoClip:
+    """A video given as a list of image files: frame i taken as sampled at i / `video_fps` seconds."""
+    images = [decode_image(data, limits.max_image_pixels, f"{location}.frames[{index}]", header_only)
+              for index, data in enumerate(frames)]
+    return VideoClip(images, limits.video_fps, range(len(images)))
