@@ -8,7 +8,7 @@
 
 The ratio service / ceiling says what the per-request path costs. Needs two cores.
 
-    flock /work/signals/bench.lock python -m encode_server.bench.pinned --concurrency 64 --requests 3000
+    python -m encode_server.bench.pinned --concurrency 64 --requests 3000   # with the machine to itself
 """
 
 from __future__ import annotations
