@@ -19,7 +19,9 @@ grid row attends within itself, then projects every patch to the text width and 
 
 The prompt (`MiniMaxM3VLProcessor`, and SGLang's `MiniMaxM3VLProcessor.get_mm_data`) wraps an image's rows in
 `]<]start of image[>[` .. `]<]end of image[>[`, and a video's rows frame by frame (`h*w/4` each, `t` frames),
-each frame preceded by its time when the video's fps is known.
+each frame preceded by its time when the video's fps is known: a video's layout carries those times
+(`video_timestamps`, each temporal patch at its first frame, `processors/video_clip.py`), from the frames the
+server sampled.
 
 Tensor parallel: the CLIP plan (`processors/clip_sharding.py`): heads and MLP columns split; patch embedding,
 norms and projector stay whole.
@@ -38,6 +40,7 @@ from .checkpoint import CheckpointError
 from .family import Family
 from .packed_attention import use_packed_attention_in_layers
 from .torchvision_processors import check_clip, load_processors, process_clip
+from .video_clip import clip_timestamps, first_frame_timestamps
 from .vision_parts import VisionPartAdapter, as_images, load_vision_part
 
 
@@ -95,7 +98,9 @@ class MiniMaxM3VLAdapter(VisionPartAdapter):
         except ValueError as exc:
             raise ItemError(f"{modality} of {width}x{height} pixels: {exc}") from None
         grid = (count, height // self.patch, width // self.patch)
-        return ItemLayout(tokens=grid[0] * grid[1] * grid[2] // self.merge_area, grid_thw=grid)
+        timestamps = clip_timestamps(item, self.temporal, first_frame_timestamps) if modality == "video" else None
+        return ItemLayout(tokens=grid[0] * grid[1] * grid[2] // self.merge_area, grid_thw=grid,
+                          video_timestamps=timestamps)
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
         layouts = [self.item_layout(modality, item) for item in items]  # one bad item must not fail the call

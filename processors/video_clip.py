@@ -5,16 +5,18 @@ come from, as `transformers` records it in a video's `VideoMetadata` once frames
 source's frame rate (`fps`) and each frame's index in the source (`frames_indices`). The server's
 decoder makes one for every video item (`encode_server/media/decoding.py`).
 
-Qwen3-VL and Qwen3.5 write the time of each temporal patch into the prompt, `<t seconds>` before
-that patch's tokens (`Qwen3VLProcessor.replace_video_token`); SGLang's prefill side builds the same
-prompt from the `video_timestamps` an encoder sends. `patch_timestamps` computes them as
-`Qwen3VLProcessor._calculate_timestamps` does: each frame at `index / fps` seconds, the clip padded
-with its last frame to whole temporal patches, each patch at the mean of its first and last frame.
+Some models write the time of each temporal patch into the prompt, and SGLang's prefill side builds
+the same prompt from the `video_timestamps` an encoder sends; each frame is at `index / fps` seconds:
+- Qwen3-VL and Qwen3.5 (`<t seconds>` before the patch's tokens, `Qwen3VLProcessor`): the clip padded
+  with its last frame to whole temporal patches, each patch at the mean of its first and last frame
+  (`patch_timestamps`, as `Qwen3VLProcessor._calculate_timestamps`);
+- MiniMax-M3 VL (`]<]t seconds[>[`, `MiniMaxM3VLProcessor.replace_video_token`): each patch at its
+  first frame (`first_frame_timestamps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -47,8 +49,22 @@ def patch_timestamps(frames_indices: Sequence[int], fps: float, temporal_patch_s
     return tuple((times[start] + times[start + size - 1]) / 2 for start in range(0, len(times), size))
 
 
-def clip_timestamps(item: Any, temporal_patch_size: int) -> tuple[float, ...] | None:
-    """`patch_timestamps` of a `VideoClip`; None for frames that do not say where they come from."""
+def first_frame_timestamps(frames_indices: Sequence[int], fps: float, temporal_patch_size: int
+                           ) -> tuple[float, ...]:
+    """Seconds of each temporal patch at its first frame, as `transformers`' `MiniMaxM3VLProcessor` writes them."""
+    indices = list(frames_indices)
+    size = int(temporal_patch_size)
+    patches = -(-len(indices) // size)
+    return tuple(indices[min(patch * size, len(indices) - 1)] / fps for patch in range(patches))
+
+
+#: (frames_indices, fps, temporal_patch_size) -> each temporal patch's seconds.
+TimestampRule = Callable[[Sequence[int], float, int], tuple[float, ...]]
+
+
+def clip_timestamps(item: Any, temporal_patch_size: int, rule: TimestampRule = patch_timestamps
+                    ) -> tuple[float, ...] | None:
+    """`rule`'s timestamps of a `VideoClip`; None for frames that do not say where they come from."""
     if not isinstance(item, VideoClip):
         return None
-    return patch_timestamps(item.frames_indices, item.fps, temporal_patch_size)
+    return rule(item.frames_indices, item.fps, temporal_patch_size)

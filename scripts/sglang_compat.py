@@ -929,6 +929,10 @@ def epd_case(model_type: str, folder, url: str, modality: str, items: list, plac
     ok = count == ours["embedding_shape"][0] == placeholders and same_rows
     if model_type != "glm5_next" or modality == "image":
         media = {"images": items} if modality == "image" else {"videos": items, "do_sample_frames": False}
+        if modality == "video":  # frames sent as images are at our --video-fps (MiniMax writes their times)
+            fps = float(httpx.get(url + "/server_info", timeout=30).json()["settings"]["video_fps"])
+            media["video_metadata"] = [{"fps": fps, "frames_indices": list(range(len(frames))),
+                                        "total_num_frames": len(frames)} for frames in items]
         hf_ids = hf(text=[prompt], return_tensors="pt", **media)["input_ids"][0].tolist()
         ok &= hf_ids == list(out.input_ids)
         detail += f"; input_ids {'==' if hf_ids == list(out.input_ids) else '!='} transformers' full processor's"

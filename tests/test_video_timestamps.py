@@ -1,9 +1,11 @@
-"""Qwen3-VL / Qwen3.5 video timestamps: the seconds of each temporal patch, as the model's own processor puts
-them into the prompt (`<t seconds>`), for the frames this server samples (docs/CONTRACT.md section 5).
+"""Video timestamps: the seconds of each temporal patch, as the model's own processor puts them into the prompt
+(Qwen3-VL / Qwen3.5: `<t seconds>`; MiniMax-M3 VL: `]<]t seconds[>[`), for the frames this server samples
+(docs/CONTRACT.md section 5).
 
-1. The rule: golden values, and equality with `transformers`' `Qwen3VLProcessor` itself (the prompt text it
-   writes, and the exact floats of the function it writes them from) for the same frames and metadata:
-   several frame rates and frame counts, odd counts included (the last frame fills the last patch).
+1. The rules: golden values, and equality with `transformers`' `Qwen3VLProcessor` itself (the prompt text it
+   writes, and the exact floats of the function it writes them from) and `MiniMaxM3VLProcessor` (the text of
+   its video placeholder) for the same frames and metadata: several frame rates and frame counts, odd counts
+   included (the last frame fills the last patch).
 2. Sampling: a video file decoded by the server gives the stream's frame rate and the indices of the frames
    it took (checked against each frame's content); frames sent as images are taken at `--video-fps`.
 3. Both wire formats, end to end: the HTTP response's and the native ZMQ header's items carry
@@ -19,6 +21,7 @@ import base64
 import io
 import json
 import pickle
+import re
 
 import httpx
 import numpy as np
@@ -30,7 +33,7 @@ from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.media.decoding import MediaLimits, decode_frames, decode_video
 from encode_server.records import EncodedPart, PartMeta
 from processors import ItemLayout
-from processors.video_clip import VideoClip, clip_timestamps, patch_timestamps
+from processors.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 
 from .helpers import ServerProcess, png_bytes
 from .prompt_checkpoints import VISION_PROMPTS, build, prompt_timestamps
@@ -60,9 +63,24 @@ SAMPLINGS = [
 ]
 
 
+#: The same, each patch at its first frame (MiniMax-M3 VL).
+GOLDEN_FIRST_FRAME = [
+    ((0, 1, 2, 3), 2.0, 2, (0.0, 1.0)),
+    ((0, 1, 2), 2.0, 2, (0.0, 1.0)),
+    ((0, 12, 24, 36, 48), 24.0, 2, (0.0, 1.0, 2.0)),
+    ((7,), 4.0, 2, (1.75,)),
+    ((0, 3, 6, 9, 12, 15), 30.0, 3, (0.0, 0.3)),
+]
+
+
 @pytest.mark.parametrize("indices,fps,size,expected", GOLDEN)
 def test_golden_patch_timestamps(indices, fps, size, expected):
     assert patch_timestamps(indices, fps, size) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("indices,fps,size,expected", GOLDEN_FIRST_FRAME)
+def test_golden_first_frame_timestamps(indices, fps, size, expected):
+    assert first_frame_timestamps(indices, fps, size) == pytest.approx(expected, abs=1e-12)
 
 
 def test_a_clip_needs_one_index_per_frame_and_a_positive_rate():
@@ -128,7 +146,41 @@ def test_families_whose_prefill_side_reads_no_timestamps_have_none():
     frames = VideoClip(clip(4, 64, 64, 3), 2.0, range(4))
     assert builtins["tiny-qwen3-vl"](CPU, F32).item_layout("video", frames).video_timestamps == (0.25, 1.25)
     assert builtins["tiny-qwen2.5-vl"](CPU, F32).item_layout("video", frames).video_timestamps is None
+    assert builtins["tiny-glm4v"](CPU, F32).item_layout("video", frames).video_timestamps is None
     assert "video_timestamps" not in ItemLayout(tokens=4, grid_thw=(1, 4, 4)).as_json()
+
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory):
+    from transformers import AutoProcessor
+
+    from processors.registry import load_checkpoint
+
+    from .kimi_glm5_minimax_checkpoints import minimax_m3_vl_checkpoint
+
+    _, folder = minimax_m3_vl_checkpoint(tmp_path_factory.mktemp("timestamps") / "minimax_m3_vl")
+    return load_checkpoint(folder, CPU, F32), AutoProcessor.from_pretrained(folder)
+
+
+MINIMAX_STAMP = re.compile(r"\]<\]([^\[\]]*) seconds\[>\[")
+
+
+@pytest.mark.parametrize("fps,indices", SAMPLINGS, ids=lambda value: str(value))
+def test_minimax_timestamps_are_what_its_transformers_processor_writes(minimax, fps, indices):
+    """Frames of whole merged patches (the full processor does not resize videos), the placeholder text of
+    `MiniMaxM3VLProcessor.replace_video_token` for them and their metadata."""
+    from transformers.video_utils import VideoMetadata
+
+    adapter, processor = minimax
+    frames = clip(len(indices), 56, 84, len(indices))
+    layout = adapter.item_layout("video", VideoClip(frames, fps, indices))
+    metadata = VideoMetadata(total_num_frames=indices[-1] + 1, fps=fps, frames_indices=list(indices))
+    inputs = processor.video_processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
+                                       do_resize=False, return_metadata=True, return_tensors="pt")
+    written = MINIMAX_STAMP.findall(processor.replace_video_token(inputs, 0))
+    assert len(layout.video_timestamps) == layout.grid_thw[0] == len(written)
+    assert [f"{seconds:.1f}" for seconds in layout.video_timestamps] == written
+    assert list(layout.video_timestamps) == [indices[min(2 * t, len(indices) - 1)] / fps for t in range(len(written))]
 
 
 # --- what the decoders say about the frames they sampled ------------------------------------------
