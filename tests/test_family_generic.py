@@ -87,18 +87,21 @@ def test_collate_joins_per_item_batches_in_order(checkpoint):
 def test_a_processor_that_miscounts_its_own_tokens_is_refused(checkpoint, tmp_path):
     """num_additional_image_tokens=0 with a CLIP class token: the processor inserts 15 tokens, the model gives 16."""
     _, folder = llava_checkpoint(tmp_path / "miscount", num_additional_image_tokens=0)
-    with pytest.raises(CheckpointError, match="cannot be counted exactly"):
+    with pytest.raises(CheckpointError, match="no modality can be served exactly.*image: the model's forward fails"):
         generic_from_folder(folder, CPU, F32)
 
 
-@pytest.mark.parametrize("build, reason", [
-    (llama_checkpoint, "LlamaModel has no get_image_features"),
-    (blip2_checkpoint, "Blip2Processor has no _get_num_multimodal_tokens"),
-], ids=["text-only", "no-token-count"])
-def test_models_whose_rows_cannot_be_counted_are_refused_naming_why(build, reason, tmp_path):
-    result = build(tmp_path / "model")
-    folder = result[1] if isinstance(result, tuple) else result
-    with pytest.raises(CheckpointError, match=reason):
+def test_a_text_only_model_is_refused_naming_why(tmp_path):
+    folder = llama_checkpoint(tmp_path / "model")
+    with pytest.raises(CheckpointError, match="'llama' is not a multimodal model"):
+        generic_from_folder(folder, CPU, F32)
+
+
+def test_a_processor_that_fails_on_its_own_checkpoint_is_refused_naming_it(tmp_path):
+    """This BLIP-2 folder's processor raises on every prompt (its image token is a plain string where the processor
+    expects an AddedToken): nothing can be counted, and the refusal says where it failed."""
+    _, folder = blip2_checkpoint(tmp_path / "model")
+    with pytest.raises(CheckpointError, match="image: its processor fails on a probe .AttributeError"):
         generic_from_folder(folder, CPU, F32)
 
 
