@@ -160,7 +160,8 @@ def install_trap(model: torch.nn.Module, hidden_size: int, dtype: torch.dtype) -
             raise CheckpointError(f"{type(model).__name__}: no language model submodule to stop at (looked for "
                                   f"{', '.join(LANGUAGE_MODEL_NAMES)} or a text model holding the embedding table)")
         beside = [name for name, child in decoder.named_children()
-                  if name not in ("embed_tokens", "layers", "norm", "rotary_emb") and any(True for _ in child.parameters())]
+                  if name not in ("embed_tokens", "layers", "norm", "rotary_emb")
+                  and any(True for _ in child.parameters())]
         if beside:  # its multimodal embedder runs inside the text model: stop at the first layer
             decoder.layers = torch.nn.ModuleList([LayerTrap()])
             decoder.embed_tokens = embedding
