@@ -20,11 +20,12 @@ point where its language model would start:
   processor inserted, counted by running the processor (cached per image size or clip length): the
   prefill side runs the same processor.
 - **Which tokens the model fills is measured at start-up, never assumed.** Probe items of several sizes run
-  twice, once with text embeddings of zeros and once with a fixed non-zero pattern. A position whose row is
-  the same in both runs (and not zero) holds the model's features alone; its token is a filled token.
-  Refused, naming why: a modality whose probes fill nothing, a token filled at some of its positions only,
-  rows that mix features with the text embedding (the server does not hold the language model's table), a
-  processor that does not load (e.g. it needs torchvision), a model without multimodal inputs.
+  with text embeddings of zeros and of a fixed pattern, and again with other content of the same size. A
+  token is a placeholder if the rows at its positions change with the item; they must not change with the
+  text embedding. Framing the model embeds itself (constant rows) is not counted. Refused, naming why:
+  a modality whose probes carry no features, rows that mix features with the text embedding (the server
+  does not hold the language model's table), a processor that does not load (e.g. it needs torchvision),
+  a model without multimodal inputs.
 
 A modality that fails its probes is left out (the log says why); a model with none left is refused.
 Items are run one at a time (correctness over speed: a dedicated family module can fuse them), and
@@ -97,6 +98,16 @@ class LanguageModelTrap(torch.nn.Module):
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.embed_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # What a model computes for its language model alone before calling it (Gemma 3n's per-layer
+            # inputs): never reaches the rows, since the trap stops the forward first.
+            if name.startswith("get_") and name != "get_input_embeddings":
+                return lambda *args, **kwargs: None
+            raise
 
     def set_input_embeddings(self, value: torch.nn.Module) -> None:
         self.embed_tokens = value
@@ -345,7 +356,7 @@ class GenericAdapter(EncoderAdapter):
 
     def sample_item(self) -> tuple[str, Any]:
         modality = self.info.modalities[0]
-        return modality, probe_items(modality, self.sampling_rate)[0]
+        return modality, probe_items(modality, self.sampling_rate)[0][0]
 
     # --- start-up: which tokens the model fills ---------------------------------------------------------
 
@@ -356,42 +367,58 @@ class GenericAdapter(EncoderAdapter):
         finally:
             self.embedding.pattern = False
 
+    def _probe_inputs(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
+        try:
+            return self._process(modality, item, prompt)
+        except Exception as exc:  # noqa: BLE001 (the processor's own code failed on this input: named)
+            raise CheckpointError(f"its processor fails on a probe ({first_line(exc)})") from None
+
+    def _probe_rows(self, inputs: dict[str, Any], pattern: bool) -> torch.Tensor:
+        try:
+            rows = self._probe_run(inputs, pattern)
+        except Exception as exc:  # noqa: BLE001 (the model's own code failed on this input: named)
+            raise CheckpointError(f"the model's forward fails on a probe ({first_line(exc)})") from None
+        if rows.shape[-1] != self.hidden_size:
+            raise CheckpointError(f"the language model's inputs are {rows.shape[-1]} wide, not the text hidden size "
+                                  f"{self.hidden_size}")
+        return rows
+
     def filled_tokens(self, modality: str, prompt: str) -> torch.Tensor:
-        """The token ids whose rows the model fills with features alone, measured on the probes (or a
-        `CheckpointError` naming why none can be served)."""
-        filled: set[int] = set()
-        unfilled: set[int] = set()
-        for item in probe_items(modality, self.sampling_rate):
-            try:
-                inputs = self._process(modality, item, prompt)
-            except Exception as exc:  # noqa: BLE001 (the processor's own code failed on this input: named)
-                raise CheckpointError(f"its processor fails on a probe ({first_line(exc)})") from None
+        """The placeholder token ids: those whose rows carry the item's features, measured on the probes (or a
+        `CheckpointError` naming why none can be served).
+
+        Each probe size runs three times: item A with text embeddings of zeros, item A with a patterned text
+        embedding, and item B (same size, other content) with zeros. A position whose row is the same under
+        both text embeddings holds what the model computed there; a token is a placeholder if some of its
+        positions change with the item. Every position of a placeholder must be independent of the text
+        embedding (else the model mixes its features into text this server does not hold); tokens the model
+        fills with constants (framing embedded by the model itself) are not rows."""
+        placeholders: set[int] = set()
+        text_bound: set[int] = set()
+        for item, other in probe_items(modality, self.sampling_rate):
+            inputs = self._probe_inputs(modality, item, prompt)
+            other_inputs = self._probe_inputs(modality, other, prompt)
             ids = inputs["input_ids"][0]
-            try:
-                zeros, patterned = self._probe_run(inputs, False), self._probe_run(inputs, True)
-            except Exception as exc:  # noqa: BLE001 (the model's own code failed on this input: named)
-                raise CheckpointError(f"the model's forward fails on a probe ({first_line(exc)})") from None
-            if zeros.shape[-1] != self.hidden_size:
-                raise CheckpointError(f"the language model's inputs are {zeros.shape[-1]} wide, not the text "
-                                      f"hidden size {self.hidden_size}")
-            same = (zeros == patterned).all(-1)
-            features = same & (zeros != 0).any(-1)
-            text = (zeros == 0).all(-1) & torch.isclose(
-                patterned, self.embedding.pattern_of(ids).to(self.embedding.dtype).double(), rtol=0, atol=0).all(-1)
-            mixed = ~features & ~text
+            if not torch.equal(ids, other_inputs["input_ids"][0]):
+                raise CheckpointError("two probe items of the same size get different placeholder tokens")
+            zeros, patterned = self._probe_rows(inputs, False), self._probe_rows(inputs, True)
+            other_zeros = self._probe_rows(other_inputs, False)
+            independent = (zeros == patterned).all(-1)
+            varies = (zeros != other_zeros).any(-1)
+            mixed = varies & ~independent
             if bool(mixed.any()):
                 raise CheckpointError(f"{int(mixed.sum())} positions (tokens {sorted(set(ids[mixed].tolist()))[:8]}) "
                                       "mix the model's features with the text embedding, which this server does "
                                       "not hold")
-            filled.update(ids[features].tolist())
-            unfilled.update(ids[~features].tolist())
-        if not filled:
-            raise CheckpointError(f"the model fills no placeholder of a {modality} prompt with its features")
-        partly = filled & unfilled
+            placeholders.update(ids[varies].tolist())
+            text_bound.update(ids[~independent].tolist())
+        if not placeholders:
+            raise CheckpointError(f"no token of a {modality} prompt carries the item's features")
+        partly = placeholders & text_bound
         if partly:
-            raise CheckpointError(f"tokens {sorted(partly)} are filled with features at some positions only, so "
-                                  "rows cannot be counted from the tokens")
-        return torch.tensor(sorted(filled))
+            raise CheckpointError(f"tokens {sorted(partly)} hold features at some positions and the text embedding at "
+                                  "others, so rows cannot be counted from the tokens")
+        return torch.tensor(sorted(placeholders))
 
     def probe(self, folder: Path) -> None:
         """Find, per modality the processor has, the prompt and filled tokens; keep the modalities that pass."""
@@ -421,13 +448,18 @@ class GenericAdapter(EncoderAdapter):
                               hidden_size=self.hidden_size, placeholder_tokens=self.placeholders)
 
 
-def probe_items(modality: str, sampling_rate: int) -> list[Any]:
-    """Start-up probes: images of several shapes, or clips of several lengths (fixed seeds)."""
+def probe_items(modality: str, sampling_rate: int) -> list[tuple[Any, Any]]:
+    """Start-up probes: pairs of images of several shapes (or clips of several lengths), the two of a pair of
+    the same size and different content (fixed seeds)."""
+    def image(seed: int, height: int, width: int) -> Image.Image:
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+    def clip(seed: int, seconds: float) -> np.ndarray:
+        return (np.random.default_rng(seed).standard_normal(int(seconds * sampling_rate)) * 0.1).astype(np.float32)
+
     if modality == "image":
-        return [Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-                for seed, (height, width) in enumerate(PROBE_IMAGES)]
-    return [(np.random.default_rng(seed).standard_normal(int(seconds * sampling_rate)) * 0.1).astype(np.float32)
-            for seed, seconds in enumerate(PROBE_AUDIO_SECONDS)]
+        return [(image(seed, *size), image(seed + 100, *size)) for seed, size in enumerate(PROBE_IMAGES)]
+    return [(clip(seed, seconds), clip(seed + 100, seconds)) for seed, seconds in enumerate(PROBE_AUDIO_SECONDS)]
 
 
 def text_hidden_size(config: Any) -> int:
