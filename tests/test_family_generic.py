@@ -135,3 +135,29 @@ def test_a_model_type_transformers_does_not_know_is_refused(checkpoint, tmp_path
     (folder / "config.json").write_text(json.dumps({"model_type": "no_such_vlm"}))
     with pytest.raises(CheckpointError, match="no_such_vlm"):
         load_checkpoint(folder, CPU, F32)
+
+
+def test_audio_is_served_by_the_generic_path_framing_excluded(tmp_path):
+    """A Qwen2-Audio folder loaded through the generic path (not its family): the rows are what the full model
+    splices at its <|AUDIO|> tokens; the chat template's <|audio_bos|>/<|audio_eos|> framing is not counted."""
+    import numpy as np
+
+    from .checkpoints import qwen2_audio_checkpoint, qwen2_audio_full_processor
+
+    model, extractor, folder = qwen2_audio_checkpoint(tmp_path / "model")
+    full = qwen2_audio_full_processor(extractor)
+    full.save_pretrained(folder)
+    model.config.audio_token_id = full.tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    model.save_pretrained(folder)
+    adapter = generic_from_folder(folder, CPU, F32)
+    assert adapter.info.modalities == ("audio",) and adapter.info.placeholder_tokens == {"audio": ["<|AUDIO|>"]}
+    waves = [(np.random.default_rng(n).standard_normal(n) * 0.1).astype(np.float32) for n in (8000, 21000)]
+    fused = adapter.forward(adapter.preprocess("audio", waves))
+    expected = []
+    for wave in waves:
+        inputs = full(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[wave], sampling_rate=8000,
+                      return_tensors="pt")
+        expected.append(spliced_rows(model, inputs, model.config.audio_token_id))
+        assert adapter.item_layout("audio", wave).tokens == expected[-1].shape[0]
+    assert [layout.tokens for layout in adapter.preprocess("audio", waves).layouts] == [25, 66]
+    assert rel_diff(fused, torch.cat(expected)) <= 1e-5
