@@ -161,3 +161,41 @@ def test_audio_is_served_by_the_generic_path_framing_excluded(tmp_path):
         assert adapter.item_layout("audio", wave).tokens == expected[-1].shape[0]
     assert [layout.tokens for layout in adapter.preprocess("audio", waves).layouts] == [25, 66]
     assert rel_diff(fused, torch.cat(expected)) <= 1e-5
+
+
+def test_a_server_on_a_generic_folder_answers_with_the_adapters_rows_through_a_preprocessing_worker(checkpoint):
+    """The adapter pickled into a preprocessing worker counts and prepares items as in-process; `/server_info`
+    names the tokens the rows fill."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+    import numpy as np
+
+    from .helpers import ServerProcess
+
+    _, folder, _, adapter = checkpoint
+    items = images()
+    want = [adapter.forward(adapter.preprocess("image", [image])) for image in items]
+
+    def png_b64(image) -> str:
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    async def send(url: str):
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(url + "/encode", json={
+                "req_id": f"r{index}", "modality": "image", "return_embedding": True, "mm_items": [png_b64(image)]})
+                for index, image in enumerate(items)))
+
+    with ServerProcess("--model", str(folder), "--preprocess-workers", "1") as server:
+        info = httpx.get(server.url + "/server_info").json()
+        responses = asyncio.run(send(server.url))
+    assert info["model"]["family"] == "llava" and info["model"]["placeholder_tokens"] == {"image": ["<image>"]}
+    for response, rows in zip(responses, want, strict=True):
+        assert response.status_code == 200, response.text
+        body = response.json()
+        got = np.frombuffer(base64.b64decode(body["embedding"]), "<f4").reshape(body["embedding_shape"])
+        assert got.shape == tuple(rows.shape) and rel_diff(got, rows) <= 1e-6
