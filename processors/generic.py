@@ -28,8 +28,9 @@ point where its language model would start:
   a model without multimodal inputs.
 
 A modality that fails its probes is left out (the log says why); a model with none left is refused.
-Items are run one at a time (correctness over speed: a dedicated family module can fuse them), and
-`collate` just joins per-item inputs. `grid_thw` is `[1, 1, rows]`. No tensor-parallel plan.
+Items whose processed inputs have the same shapes run as one forward where the start-up probe showed
+that gives each item's rows alone (`joins_exactly`); others run one at a time. `collate` just joins
+per-item inputs. `grid_thw` is `[1, 1, rows]`. No tensor-parallel plan.
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ class GenericAdapter(EncoderAdapter):
         self.hidden_size = int(hidden_size)
         self.prompts: dict[str, str] = {}  # modality -> the prompt its probes passed with
         self.filled: dict[str, torch.Tensor] = {}  # modality -> the token ids the model fills
+        self.batchable: dict[str, bool] = {}  # modality -> whether items whose inputs join run as one forward
         self.layouts: OrderedDict[tuple, ItemLayout] = OrderedDict()
         parameters = inspect.signature(model.forward).parameters
         self.forward_inputs = {key for key, p in parameters.items()
@@ -333,25 +335,33 @@ class GenericAdapter(EncoderAdapter):
 
     @torch.inference_mode()
     def language_model_inputs(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """`inputs_embeds[0]` as the language model would receive it, for one processed item."""
+        """`inputs_embeds` `[prompts, positions, hidden]` as the language model would receive them."""
         kwargs = {key: self._to_device(value) for key, value in inputs.items() if key in self.forward_inputs}
         if "use_cache" in self.forward_inputs:
             kwargs["use_cache"] = False
         try:
             self.model(**kwargs)
         except Captured as captured:
-            return captured.embeds[0]
+            return captured.embeds
         raise RuntimeError("the model's forward returned without calling its language model")
+
+    def _rows(self, modality: str, embeds: torch.Tensor, input_ids: torch.Tensor, layout: ItemLayout) -> torch.Tensor:
+        rows = embeds[self._positions(modality, input_ids).to(embeds.device)]
+        if rows.shape[0] != layout.tokens:
+            raise RuntimeError(f"{self.name}: {rows.shape[0]} rows for an item counted {layout.tokens}")
+        return rows.to("cpu")
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """Items whose processed inputs join (same shapes) run as one forward where the start-up probe showed
+        that gives their rows alone; the others one at a time."""
+        items = list(zip(batch.extras["items"], batch.layouts))
         parts = []
-        for inputs, layout in zip(batch.extras["items"], batch.layouts):
+        for group in (joinable_runs(items) if self.batchable.get(batch.modality) else [[item] for item in items]):
+            inputs = group[0][0] if len(group) == 1 else joined_inputs([inputs for inputs, _ in group])
             embeds = self.language_model_inputs(inputs)
-            rows = embeds[self._positions(batch.modality, inputs["input_ids"]).to(embeds.device)]
-            if rows.shape[0] != layout.tokens:
-                raise RuntimeError(f"{self.name}: {rows.shape[0]} rows for an item counted {layout.tokens}")
-            parts.append(rows.to("cpu"))
+            parts.extend(self._rows(batch.modality, embeds[index], item_inputs["input_ids"], layout)
+                         for index, (item_inputs, layout) in enumerate(group))
         return torch.cat(parts).contiguous()
 
     def sample_item(self) -> tuple[str, Any]:
@@ -363,7 +373,7 @@ class GenericAdapter(EncoderAdapter):
     def _probe_run(self, inputs: dict[str, Any], pattern: bool) -> torch.Tensor:
         self.embedding.pattern = pattern
         try:
-            return self.language_model_inputs(inputs).to("cpu", torch.float64)
+            return self.language_model_inputs(inputs)[0].to("cpu", torch.float64)
         finally:
             self.embedding.pattern = False
 
@@ -420,6 +430,26 @@ class GenericAdapter(EncoderAdapter):
                                   "others, so rows cannot be counted from the tokens")
         return torch.tensor(sorted(placeholders))
 
+    def joins_exactly(self, modality: str) -> bool:
+        """Whether two same-size probe items run as one forward give the rows each gives alone (within the
+        dtype's rounding): then items whose inputs join are batched."""
+        pair = [self._prepare_one(modality, item) for item in probe_items(modality, self.sampling_rate)[0]]
+        joined = joined_inputs([inputs for inputs, _ in pair])
+        if joined is None:
+            return False
+        try:
+            embeds = self.language_model_inputs(joined)
+        except Exception as exc:  # noqa: BLE001 (the model does not take them together: one at a time then)
+            log.info("%s: %s items run one at a time (%s)", self.name, modality, first_line(exc))
+            return False
+        tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
+        for index, (inputs, layout) in enumerate(pair):
+            together = self._rows(modality, embeds[index], inputs["input_ids"], layout).double()
+            alone = self._rows(modality, self.language_model_inputs(inputs)[0], inputs["input_ids"], layout).double()
+            if (together - alone).abs().max() > tolerance * alone.abs().max():
+                return False
+        return True
+
     def probe(self, folder: Path) -> None:
         """Find, per modality the processor has, the prompt and filled tokens; keep the modalities that pass."""
         reasons = {}
@@ -430,6 +460,7 @@ class GenericAdapter(EncoderAdapter):
                 try:
                     self.filled[modality] = self.filled_tokens(modality, prompt)
                     self.prompts[modality] = prompt
+                    self.batchable[modality] = self.joins_exactly(modality)
                     break
                 except CheckpointError as exc:
                     reasons.setdefault(modality, str(exc))  # the first prompt's failure: the others are fallbacks
@@ -446,6 +477,40 @@ class GenericAdapter(EncoderAdapter):
                                         for t in ids] for modality, ids in self.filled.items()}
         self.info = ModelInfo(name=self.name, family=self.model_type, modalities=tuple(self.filled),
                               hidden_size=self.hidden_size, placeholder_tokens=self.placeholders)
+
+
+def join_signature(inputs: dict[str, Any]) -> tuple | None:
+    """What must match for items' inputs to join: each key's dtype and trailing dimensions (None: a value that
+    is not a tensor with a first dimension, so the item runs alone)."""
+    signature = []
+    for key, value in sorted(inputs.items()):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None
+        signature.append((key, value.dtype, tuple(value.shape[1:])))
+    return tuple(signature)
+
+
+def joined_inputs(items: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-item processor outputs as one batch (each tensor concatenated on its first dimension), or None where
+    they do not join."""
+    signature = join_signature(items[0])
+    if signature is None or any(join_signature(item) != signature for item in items[1:]):
+        return None
+    return {key: torch.cat([item[key] for item in items]) for key in items[0]}
+
+
+def joinable_runs(items: list[tuple[dict[str, Any], ItemLayout]]) -> list[list[tuple[dict[str, Any], ItemLayout]]]:
+    """Consecutive items grouped while their inputs join into one batch."""
+    runs: list[list[tuple[dict[str, Any], ItemLayout]]] = []
+    signatures: list[tuple | None] = []
+    for item in items:
+        signature = join_signature(item[0])
+        if runs and signature is not None and signature == signatures[-1]:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+            signatures.append(signature)
+    return runs
 
 
 def probe_items(modality: str, sampling_rate: int) -> list[tuple[Any, Any]]:

@@ -55,7 +55,13 @@ def test_fused_items_equal_get_image_features_alone(checkpoint):
     items = images()
     batch = adapter.preprocess("image", items)
     assert batch.layouts == [adapter.item_layout("image", image) for image in items]
-    fused = adapter.forward(batch)
+    calls = []
+    handle = adapter.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        fused = adapter.forward(batch)
+    finally:
+        handle.remove()
+    assert adapter.batchable == {"image": True} and len(calls) == 1  # LLaVA's inputs join: one forward
     alone = []
     for image in items:
         with torch.no_grad():
