@@ -12,7 +12,8 @@ point where its language model would start:
   with and stops the forward; its embedding table by a stand-in that gives zeros. Only the remaining
   modules' tensors are read, loaded through `transformers`' own key conversions
   (`vision_parts.load_model_part`).
-- **An item** (an image, or an audio clip at the feature extractor's rate) goes through the folder's full
+- **An item** (an image, an audio clip at the feature extractor's rate, or a video's frames as the server
+  sampled them, with their source frame rate and indices) goes through the folder's full
   processor alone, in a prompt holding the modality's placeholder (the chat template's, which writes any
   framing the processor expects, else the processor's own token). The model's forward runs on the result
   until the trap; the rows are `inputs_embeds` at the positions of the tokens the model fills, in order:
@@ -49,15 +50,20 @@ from PIL import Image
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .checkpoint import CheckpointError, read_config
 from .family import Family
+from .torchvision_processors import clip_tensor
+from .video_clip import VideoClip
 from .vision_parts import load_model_part
 
 log = logging.getLogger("encode_server.processors.generic")
 
 PROBE_IMAGES = ((72, 96), (200, 120), (130, 260))  # (height, width) of the start-up probes
 PROBE_AUDIO_SECONDS = (1.3, 3.1)
+PROBE_CLIPS = ((4, 72, 96), (8, 120, 80))  # (frames, height, width)
+PROBE_CLIP_FPS = 2.0
 LANGUAGE_MODEL_NAMES = ("language_model", "text_model")
 LAYOUT_CACHE_SIZE = 4096
-MODALITY_PROCESSORS = {"image": ("image_processor",), "audio": ("feature_extractor", "audio_processor")}
+MODALITY_PROCESSORS = {"image": ("image_processor",), "audio": ("feature_extractor", "audio_processor"),
+                       "video": ("video_processor",)}
 
 
 class Captured(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -271,10 +277,20 @@ class GenericAdapter(EncoderAdapter):
             raise ItemError(f"item {index}: expected an image, got {type(item).__name__}")
         if modality == "audio" and not (isinstance(item, np.ndarray) and item.ndim == 1):
             raise ItemError(f"item {index}: expected a mono waveform, got {type(item).__name__}")
+        if modality == "video" and not (isinstance(item, list) and item
+                                        and all(isinstance(frame, Image.Image) for frame in item)):
+            raise ItemError(f"item {index}: expected a video's frames, got {type(item).__name__}")
 
     def _process(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
         if modality == "image":
             media = {"images": [item]}
+        elif modality == "video":  # the frames as the server sampled them, with where they come from
+            from transformers.video_utils import VideoMetadata
+
+            fps = getattr(item, "fps", PROBE_CLIP_FPS)
+            indices = list(getattr(item, "frames_indices", range(len(item))))
+            media = {"videos": [clip_tensor(item)], "do_sample_frames": False, "video_metadata": [VideoMetadata(
+                total_num_frames=len(item), fps=fps, frames_indices=indices, duration=len(item) / fps)]}
         else:
             media = {"audio": [item], "sampling_rate": self.sampling_rate}
         return dict(self.processor(text=[prompt], **media, return_tensors="pt"))
@@ -283,6 +299,9 @@ class GenericAdapter(EncoderAdapter):
         return torch.isin(input_ids[0], self.filled[modality]).nonzero().flatten()
 
     def _layout_key(self, modality: str, item: Any) -> tuple:
+        if modality == "video":
+            return (modality, len(item), item[0].size, getattr(item, "fps", None),
+                    tuple(getattr(item, "frames_indices", ())))
         return (modality, item.size) if modality == "image" else (modality, int(item.shape[0]))
 
     def item_layout(self, modality: str, item: Any) -> ItemLayout:
@@ -514,8 +533,8 @@ def joinable_runs(items: list[tuple[dict[str, Any], ItemLayout]]) -> list[list[t
 
 
 def probe_items(modality: str, sampling_rate: int) -> list[tuple[Any, Any]]:
-    """Start-up probes: pairs of images of several shapes (or clips of several lengths), the two of a pair of
-    the same size and different content (fixed seeds)."""
+    """Start-up probes: pairs of images of several shapes (audio clips of several lengths, videos of several
+    frame counts and sizes), the two of a pair of the same size and different content (fixed seeds)."""
     def image(seed: int, height: int, width: int) -> Image.Image:
         return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
@@ -524,6 +543,10 @@ def probe_items(modality: str, sampling_rate: int) -> list[tuple[Any, Any]]:
 
     if modality == "image":
         return [(image(seed, *size), image(seed + 100, *size)) for seed, size in enumerate(PROBE_IMAGES)]
+    if modality == "video":
+        return [(VideoClip([image(seed * 10 + f, h, w) for f in range(frames)], PROBE_CLIP_FPS, range(frames)),
+                 VideoClip([image(seed * 10 + f + 100, h, w) for f in range(frames)], PROBE_CLIP_FPS, range(frames)))
+                for seed, (frames, h, w) in enumerate(PROBE_CLIPS)]
     return [(clip(seed, seconds), clip(seed + 100, seconds)) for seed, seconds in enumerate(PROBE_AUDIO_SECONDS)]
 
 
@@ -561,7 +584,7 @@ def generic_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) 
 FAMILY = Family(
     name="generic",
     model_types=(),  # the fallback for any model_type no other family declares (processors/registry.py)
-    modalities=("image", "audio"),
+    modalities=("image", "audio", "video"),
     row_formula="the placeholder tokens the full processor inserts that the model fills (measured at start-up); "
                 "refused if they cannot be told apart",
     grid_thw="`[1, 1, rows]`",

@@ -205,3 +205,29 @@ def test_a_server_on_a_generic_folder_answers_with_the_adapters_rows_through_a_p
         body = response.json()
         got = np.frombuffer(base64.b64decode(body["embedding"]), "<f4").reshape(body["embedding_shape"])
         assert got.shape == tuple(rows.shape) and rel_diff(got, rows) <= 1e-6
+
+
+def test_video_is_served_by_the_generic_path_with_the_frames_as_sampled(tmp_path):
+    """A LLaVA-OneVision folder loaded through the generic path (not its family), its video processor saved:
+    a clip's rows are what the full model splices at its <video> tokens for those frames (no resampling)."""
+    import numpy as np
+    from transformers import AutoProcessor, LlavaOnevisionVideoProcessor
+
+    from processors.video_clip import VideoClip
+
+    pytest.importorskip("torchvision", reason="LLaVA-OneVision's video processor needs torchvision")
+    model, folder = llava_onevision_checkpoint(tmp_path / "model")
+    LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28}).save_pretrained(folder)
+    adapter = generic_from_folder(folder, CPU, F32)
+    assert adapter.info.modalities == ("image", "video")
+    clips = [VideoClip([random_image(40, 30, 10 * n + i) for i in range(frames)], 2.0, range(0, 2 * frames, 2))
+             for n, frames in enumerate((4, 6))]
+    fused = adapter.forward(adapter.preprocess("video", clips))
+    full = AutoProcessor.from_pretrained(folder)
+    expected = []
+    for clip in clips:
+        inputs = full(text=["<video>"], videos=[[np.asarray(frame) for frame in clip]], do_sample_frames=False,
+                      return_tensors="pt")
+        expected.append(spliced_rows(model, inputs, model.config.video_token_id))
+        assert adapter.item_layout("video", clip).tokens == expected[-1].shape[0]
+    assert rel_diff(fused, torch.cat(expected)) <= 1e-5
