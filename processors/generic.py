@@ -233,6 +233,7 @@ def placeholder_prompts(processor: Any, modality: str) -> list[str]:
     tokenizer = getattr(processor, "tokenizer", None)
     for source in (processor, tokenizer):
         token = getattr(source, f"{modality}_token", None)
+        token = getattr(token, "content", token)  # an AddedToken
         if isinstance(token, str) and token and token not in prompts:
             prompts.append(token)
     prompts.append("")  # processors that insert the placeholders themselves (e.g. before the text)
@@ -398,9 +399,14 @@ class GenericAdapter(EncoderAdapter):
 
     def _probe_inputs(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
         try:
-            return self._process(modality, item, prompt)
+            inputs = self._process(modality, item, prompt)
         except Exception as exc:  # noqa: BLE001 (the processor's own code failed on this input: named)
             raise CheckpointError(f"its processor fails on a probe ({first_line(exc)})") from None
+        prompt_reading = [key for key in inputs if key.endswith("input_ids") and key != "input_ids"]
+        if prompt_reading:
+            raise CheckpointError(f"its features depend on the prompt's text ({', '.join(prompt_reading)} reach the "
+                                  "media encoder), which an encode request does not carry")
+        return inputs
 
     def _probe_rows(self, inputs: dict[str, Any], pattern: bool) -> torch.Tensor:
         try:
