@@ -90,8 +90,18 @@ def check_vllm_layout(adapter) -> None:
                              f"says, so a vLLM consumer would refuse our rows; serve it without --ec-storage")
 
 
-#: (family, modality) pairs whose rows vLLM 0.33 lays out otherwise than this server; see vllm_layout_refusal.
-LAYOUT_REFUSALS: dict[tuple[str, str], str] = {}
+#: (family, modality) pairs whose items vLLM 0.33 splits, samples or lays out otherwise than this server, so that
+#: a consumer could not load what we would store (found with `scripts/vllm_compat.py`): refused with a 400.
+LAYOUT_REFUSALS: dict[tuple[str, str], str] = {
+    ("kimi_k25", "video"): "vLLM 0.33 splits a Kimi-K2.5 video into 4-frame vision chunks, each an item with its own "
+                           "identifier and rows, where this server stores one file per video; run vLLM's own encoder "
+                           "for video_url items of this model",
+    ("muse_spark", "video"): "vLLM 0.33 samples and lays out Muse Spark videos with its own loader and processor, and "
+                             "its placeholder count differs from the rows of this server's video path (12 against 36 "
+                             "on a 12-frame clip); run vLLM's own encoder for video_url items of this model",
+    ("dots3_note", "video"): "vLLM 0.33 expands a Dots3-Note video into timestamped image and audio parts of its own, "
+                             "not one video item; run vLLM's own encoder for video_url items of this model",
+}
 
 
 def vllm_layout_refusal(family: str, modality: str) -> str | None:

@@ -192,10 +192,14 @@ class Consumer:
         self.processor = MULTIMODAL_REGISTRY.create_processor(self.model_config)
         transfer = ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_consumer",
                                     ec_connector_extra_config={"shared_storage_path": str(storage)})
-        self.vllm_config = VllmConfig(model_config=self.model_config, ec_transfer_config=transfer)
+        from vllm.config import CacheConfig
+
+        # Prefix caching on, as `vllm serve` has it by default (some hybrid models' configs need it).
+        cache = {"cache_config": CacheConfig(enable_prefix_caching=True)}
+        self.vllm_config = VllmConfig(model_config=self.model_config, ec_transfer_config=transfer, **cache)
         self.scheduler_side = ECExampleConnector(self.vllm_config, ECConnectorRole.SCHEDULER)
         self.worker_side = ECExampleConnector(self.vllm_config, ECConnectorRole.WORKER)
-        self.producer_config = VllmConfig(model_config=self.model_config, ec_transfer_config=ECTransferConfig(
+        self.producer_config = VllmConfig(model_config=self.model_config, **cache, ec_transfer_config=ECTransferConfig(
             ec_connector="ECExampleConnector", ec_role="ec_producer",
             ec_connector_extra_config={"shared_storage_path": str(storage)}))
 
@@ -501,6 +505,11 @@ def build_new_family(name: str, folder: Path) -> Path:
     if name == "muse_spark":  # vLLM's MuseSparkTextConfig reads a field the tiny config leaves at its default
         config = json.loads((folder / "config.json").read_text())
         config.setdefault("text_config", {}).setdefault("num_shared_experts", 0)
+        (folder / "config.json").write_text(json.dumps(config))
+    if name == "dots3_note":  # vLLM's Dots3NoteConfig is a flat DeepSeek-V3 config: the text fields at the top too
+        config = json.loads((folder / "config.json").read_text())
+        for key, value in config.get("text_config", {}).items():
+            config.setdefault(key, value)
         (folder / "config.json").write_text(json.dumps(config))
     return folder
 

@@ -14,7 +14,7 @@ and `vllm/multimodal/video.py`):
   `Qwen3VLVideoProcessor`: `int(total / fps * 2)` frames, clamped to 4..768, `linspace(...).round()`;
   `Glm4vVideoProcessor`: 2 per second up to 300 s (`opencv_dynamic`); any other class without a
   loader of its own: 32 frames spread evenly (`num_frames=32`); classes with another loader of their
-  own are refused (`UnsupportedVideoLoader`);
+  own (GLM-5-Next, GLM-4.6V, MiniMax-M3, Muse Spark, Molmo2, ...) are refused (`UnsupportedVideoLoader`);
 - the frames are read in order (`grab`, then `retrieve` for the kept ones) and turned BGR to RGB;
 - a `data:video/jpeg;base64,<frame>,<frame>,...` URL is a list of JPEG frames instead (the first 32,
   each decoded as an image), taken as sampled at 1 frame per second.
@@ -59,6 +59,9 @@ LOADER_OF_PROCESSOR = {
     "Glm5nextVideoProcessor": "glm5_next",
     "GlmgaVideoProcessor": "glmga",
     "Molmo2VideoProcessor": "molmo2",
+    "LlavaOnevision2VideoProcessor": "llava_onevision2",
+    "MiniMaxM3VLVideoProcessor": "minimax_m3_vl",
+    "MuseSparkVideoProcessor": "muse_spark",
 }
 #: The loaders implemented here; `opencv` is vLLM's default for every other class.
 IMPLEMENTED_LOADERS = ("opencv", "qwen2_vl", "qwen3_vl", "opencv_dynamic")
