@@ -195,7 +195,7 @@ class Consumer:
         from vllm.config import CacheConfig
 
         # Prefix caching on, as `vllm serve` has it by default (some hybrid models' configs need it).
-        cache = {"cache_config": CacheConfig(enable_prefix_caching=True)}
+        cache = {"cache_config": CacheConfig(enable_prefix_caching=True, mamba_block_size=4096)}  # max_model_len
         self.vllm_config = VllmConfig(model_config=self.model_config, ec_transfer_config=transfer, **cache)
         self.scheduler_side = ECExampleConnector(self.vllm_config, ECConnectorRole.SCHEDULER)
         self.worker_side = ECExampleConnector(self.vllm_config, ECConnectorRole.WORKER)
@@ -506,12 +506,22 @@ def build_new_family(name: str, folder: Path) -> Path:
         config = json.loads((folder / "config.json").read_text())
         config.setdefault("text_config", {}).setdefault("num_shared_experts", 0)
         (folder / "config.json").write_text(json.dumps(config))
-    if name == "dots3_note":  # vLLM's Dots3NoteConfig is a flat DeepSeek-V3 config: the text fields at the top too
-        config = json.loads((folder / "config.json").read_text())
-        for key, value in config.get("text_config", {}).items():
-            config.setdefault(key, value)
-        (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def consumer_folder(name: str, folder: Path) -> Path:
+    """The folder the vLLM consumer is started on: the checkpoint itself, except for Dots3-Note, whose vLLM config
+    class is a flat DeepSeek-V3 config: a copy with the text fields at the top level and no `text_config` (the
+    weights and processor files are the same)."""
+    if name != "dots3_note":
+        return folder
+    copy = folder.with_name(folder.name + "-vllm")
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    config = json.loads((copy / "config.json").read_text())
+    config.update({key: value for key, value in config.pop("text_config", {}).items()
+                   if key not in ("model_type", "architectures")})
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
 
 
 #: family -> (how to build its tiny full checkpoint, the modalities it serves)
@@ -594,7 +604,7 @@ def family_check(name: str, work: Path) -> None:
     storage = work / f"ec-{name}"
     try:
         folder = build(folder)
-        consumer = Consumer(folder, storage)
+        consumer = Consumer(consumer_folder(name, folder), storage)
     except Exception as exc:
         traceback.print_exc()
         record(f"{name}: vLLM consumer set-up", False, f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -603,7 +613,7 @@ def family_check(name: str, work: Path) -> None:
                                 f"vLLM could not set up its consumer: {type(exc).__name__}: {str(exc)[:160]}"))
         return
     try:
-        with start_server(folder, storage) as server:
+        with start_server(folder, storage, "--ec-model-id", consumer.model) as server:
             for modality in modalities:
                 parts, _what = modality_parts(modality)
                 theirs, ours, flags, failures, refusal = [], [], {"ids": True, "bits": True}, [], None
