@@ -7,8 +7,10 @@ dependencies), from the repository root:
     VLLM_TARGET_DEVICE=cpu .vllm-venv/bin/python scripts/vllm_compat.py [--families all|qwen2_5_vl,...]
 
 For each family it builds a tiny full checkpoint folder (language model, full processor and a tiny
-tokenizer, as the parity tests do), starts this server on it with `--ec-storage` (loopback only), and
-plays vLLM's EPD roles against it:
+tokenizer, as the parity tests do; the recent families with the server's own `transformers`), starts
+this server on it with `--ec-storage` (loopback only), and, for each modality the family serves (two
+images, two MPEG-4 clips, a 16 kHz WAV and a 44.1 kHz stereo FLAC, each item in its own prompt), plays
+vLLM's EPD roles against it:
 
 - the proxy: one `POST /v1/chat/completions` per media item, the user's body with `max_tokens` 1 and
   `stream` false, header `x-request-id`, failing on any non-200 (`disagg_epd_proxy.py`'s fan-out);
@@ -20,8 +22,10 @@ plays vLLM's EPD roles against it:
   `start_load_caches` into an encoder cache dict).
 
 Every loaded tensor must have exactly the rows of vLLM's placeholder (`get_num_embeds`) and be
-bit-identical to this server's native `/encode` rows for the pixels vLLM decoded (sent as a lossless
-PNG). Qwen2.5-VL also runs the scenarios: http images (from a loopback server), an EXIF-rotated JPEG, a
+bit-identical to this server's native `/encode` rows for what vLLM decoded (an image's pixels as a
+lossless PNG, a video's sampled frames as PNG frames, an audio clip's resampled waveform as a float
+WAV). A modality this server refuses in this mode (a 400 naming why) gets a row saying so. Qwen2.5-VL
+also runs the scenarios: http images (from a loopback server), an EXIF-rotated JPEG, a
 transparent PNG, a uuid part, a corrupt image (4xx naming it, nothing written), a repeated image and a
 file vLLM's own producer wrote (`save_caches`; no second encode), 16 concurrent requests (while a
 reader opens every file that appears: never a partial one), and the storage bound (evictions, oldest
