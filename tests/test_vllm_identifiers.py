@@ -3,7 +3,9 @@
 `tests/golden/vllm-0.33.0-identifiers.json` was written by `scripts/vllm_golden.py generate` (vLLM's
 `ImageMediaIO.load_bytes` and `ProcessorInputs.get_mm_hashes`) for the tiny images in
 `tests/golden/vllm-images/`: one per decode path (RGB, transparent RGBA, palette with tRNS, grayscale,
-EXIF-rotated JPEG, CMYK JPEG).
+EXIF-rotated JPEG, CMYK JPEG); and for the clips in `vllm-videos/` (each through every video loader the
+producer implements: sampled frames, metadata, identifiers) and `vllm-audio/` (waveforms after vLLM's
+resampling to 16 kHz, identifiers).
 """
 
 from __future__ import annotations
