@@ -41,13 +41,14 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the index chosen above, so that installing the package keeps that (CUDA) build.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-# The package with its video extra (PyAV decodes video files); soundfile and PyAV wheels carry their
-# own libsndfile and FFmpeg.
+# The package with its video extra (PyAV decodes video files) and its vllm extra (OpenCV decodes the
+# vLLM producer's video items, as vLLM does); soundfile, PyAV and OpenCV wheels carry their own
+# libsndfile and FFmpeg.
 WORKDIR /tmp/encode-server
 COPY pyproject.toml README.md ./
 COPY encode_server ./encode_server
 COPY processors ./processors
-RUN pip install ".[video]" \
+RUN pip install ".[video,vllm]" \
     && python -c "import torch, encode_server; print('encode-server', encode_server.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda)" \
     && rm -rf /tmp/encode-server
 

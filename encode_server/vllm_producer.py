@@ -1,14 +1,16 @@
 """The vLLM producer (`--ec-storage`): this server as the encoder instance ("E") of vLLM's EPD serving.
 
-For each media item of a chat-completions body (`admission.chat`), in order:
+For each media item of a chat-completions body (`admission.chat`: images, videos, audio clips), in order:
 
 1. a part with a `uuid` whose item is already stored is a hit, and nothing is fetched;
 2. the item's bytes (a `data:` URL's payload, or an http(s) URL's body through the URL guard);
-3. decoded as vLLM decodes it (`media.vllm_images`) and identified as vLLM identifies it
-   (`delivery.vllm_hash`: the uuid, or the hash of the consumer's model id and the bytes);
+3. decoded as vLLM decodes it (`media.vllm_images`, `media.vllm_video`: the frames vLLM's loader for
+   this model samples, `media.vllm_audio`: the waveform at the model's rate) and identified as vLLM
+   identifies it (`delivery.vllm_hash`: the uuid, or the hash of the consumer's model id and the item);
 4. an identifier already stored is a hit (not encoded again, counted);
-5. every miss of the request goes through `EncoderService.encode_rows` as one job: admission, the
-   scheduler (batched with every other request) and the engine, from the pixels vLLM decodes;
+5. the request's misses go through `EncoderService.encode_rows`, one job per modality: admission, the
+   scheduler (batched with every other request) and the engine, from what vLLM decodes (lossless PNGs
+   of its pixels and frames, a float WAV of its waveform);
 6. each item's rows are written to the storage (`delivery.ec_storage`: atomically, within the bound).
 
 The answer comes only once every item's file is in place; any bad item fails the whole request with a
@@ -24,13 +26,28 @@ from dataclasses import dataclass
 
 from encode_server.admission.chat import ChatMediaPart
 from encode_server.delivery.ec_storage import ECStorage, check_identifier
-from encode_server.delivery.vllm_hash import EncodedImage, image_identifier
+from encode_server.delivery.vllm_hash import (
+    EncodedImage,
+    EncodedVideo,
+    audio_identifier,
+    image_identifier,
+    video_identifier,
+)
 from encode_server.media.decoding import MediaError
 from encode_server.media.loader import each_in_order
+from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
 from encode_server.media.vllm_images import data_url_payload, decode_vllm_image
+from encode_server.media.vllm_video import (
+    UnsupportedVideoLoader,
+    decode_vllm_jpeg_frames,
+    decode_vllm_video,
+    loader_for,
+    video_processor_name,
+)
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
+from processors.registry import family_named
 
 log = logging.getLogger("encode_server.vllm_producer")
 
@@ -50,7 +67,10 @@ class _Prepared:
     identifier: str
     hit: bool
     rows: int | None = None  # a hit's rows, from its file's header
-    encode_bytes: bytes = b""  # what goes through the native path: the file, or a PNG of vLLM's pixels
+    modality: str = "image"
+    # What goes through the native path: an image file or a PNG of vLLM's pixels; {"frames": [PNG, ...]} of
+    # the frames vLLM's loader sampled; a float WAV of vLLM's waveform.
+    encode_item: bytes | dict = b""
     location: str = ""
 
 
@@ -70,14 +90,42 @@ def check_vllm_layout(adapter) -> None:
                              f"says, so a vLLM consumer would refuse our rows; serve it without --ec-storage")
 
 
+#: (family, modality) pairs whose items vLLM 0.33 splits, samples or lays out otherwise than this server, so that
+#: a consumer could not load what we would store (found with `scripts/vllm_compat.py`): refused with a 400.
+LAYOUT_REFUSALS: dict[tuple[str, str], str] = {
+    ("kimi_k25", "video"): "vLLM 0.33 splits a Kimi-K2.5 video into 4-frame vision chunks, each an item with its own "
+                           "identifier and rows, where this server stores one file per video; run vLLM's own encoder "
+                           "for video_url items of this model",
+    ("muse_spark", "video"): "vLLM 0.33 samples and lays out Muse Spark videos with its own loader and processor, and "
+                             "its placeholder count differs from the rows of this server's video path (12 against 36 "
+                             "on a 12-frame clip); run vLLM's own encoder for video_url items of this model",
+    ("dots3_note", "video"): "vLLM 0.33 expands a Dots3-Note video into timestamped image and audio parts of its own, "
+                             "not one video item; run vLLM's own encoder for video_url items of this model",
+}
+
+
+def vllm_layout_refusal(family: str, modality: str) -> str | None:
+    """Why items of `modality` are refused for `family` in this mode (None: they are stored)."""
+    return LAYOUT_REFUSALS.get((family, modality))
+
+
+def _media_type(url: str) -> str:
+    """The media type of a `data:` URL, as vLLM's `_load_data_url` reads it (lower-cased)."""
+    spec = url[5:].partition(",")[0]
+    return spec.rpartition(";")[0].partition(";")[0].lower()
+
+
 class VllmProducer:
     """Stores items' rows where vLLM's `ECExampleConnector` consumers read them; see the module docstring."""
 
-    def __init__(self, service: EncoderService, storage: ECStorage, model_id: str, algorithm: str) -> None:
+    def __init__(self, service: EncoderService, storage: ECStorage, model_id: str, algorithm: str,
+                 video_processor: str | None = None) -> None:
         self.service = service
         self.storage = storage
         self.model_id = model_id
         self.algorithm = algorithm
+        self.video_processor = video_processor
+        self.resampler = Resampler()
         self._inflight: dict[str, asyncio.Future[int]] = {}
         service.metrics.watch_ec_storage(storage)
 
@@ -87,13 +135,34 @@ class VllmProducer:
         storage = ECStorage(settings.ec_storage, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
         log.info("vLLM producer: storage %s (bound %s bytes), identifiers for model %r with %s", storage.root,
                  settings.ec_storage_bytes or "no", settings.ec_identifier_model, settings.ec_hash_algorithm)
-        return cls(service, storage, settings.ec_identifier_model, settings.ec_hash_algorithm)
+        video_processor = None
+        if service.adapter.supports("video"):
+            family = family_named(service.adapter.info.family)
+            video_processor = video_processor_name(settings.model, family.model_types[0] if family and
+                                                   family.model_types else None)
+        return cls(service, storage, settings.ec_identifier_model, settings.ec_hash_algorithm, video_processor)
+
+    def close(self) -> None:
+        self.resampler.close()
+
+    def _check_modality(self, part: ChatMediaPart, req_id: str) -> None:
+        info = self.service.adapter.info
+        if not self.service.adapter.supports(part.modality):
+            raise EncodeError(400, f"{part.location}: model {info.name!r} does not encode {part.modality} items "
+                                   f"(it encodes: {', '.join(info.modalities)})", req_id)
+        refusal = vllm_layout_refusal(info.family, part.modality)
+        if refusal:
+            raise EncodeError(400, f"{part.location}: {refusal}", req_id)
+        if part.modality == "video" and part.url is not None:
+            try:
+                loader_for(self.video_processor)
+            except UnsupportedVideoLoader as exc:
+                raise EncodeError(400, f"{part.location}: {exc}", req_id) from None
 
     async def store(self, parts: list[ChatMediaPart], req_id: str, priority: int = 0) -> list[StoredItem]:
         """Every part's rows in the storage (encoded unless there already); `EncodeError` on failure."""
-        if parts and not self.service.adapter.supports("image"):
-            raise EncodeError(400, f"model {self.service.adapter.info.name!r} does not encode images (it encodes: "
-                                   f"{', '.join(self.service.adapter.info.modalities)})", req_id)
+        for part in parts:
+            self._check_modality(part, req_id)
         prepared = await each_in_order([self._prepare(part, req_id) for part in parts])
         owned: dict[str, tuple[asyncio.Future[int], _Prepared]] = {}
         waited: dict[str, asyncio.Future[int]] = {}
@@ -126,14 +195,14 @@ class VllmProducer:
                                      rows=await loop.run_in_executor(pool, self.storage.stored_rows, part.uuid))
                 if part.url is None:
                     raise MediaError(part.location, f"no item is stored under uuid {part.uuid!r} and the part "
-                                                    f"has no image_url to encode it from")
+                                                    f"has no URL to encode it from")
             url = part.url or ""
             if url[:5].lower() == "data:":
                 data = None
             elif url[:8].lower().startswith(("http://", "https://")):
-                data = await self.service.media.fetch(url, part.location, "image")
+                data = await self.service.media.fetch(url, part.location, part.modality)
             else:
-                raise MediaError(part.location, "image_url.url must be an http(s) or data: URL")
+                raise MediaError(part.location, "the URL must be an http(s) or data: URL")
             return await loop.run_in_executor(pool, self._identify, part, data)
         except MediaError as exc:
             raise EncodeError(400, str(exc), req_id) from None
@@ -142,32 +211,52 @@ class VllmProducer:
 
     def _identify(self, part: ChatMediaPart, data: bytes | None) -> _Prepared:
         """In a media thread: decode as vLLM does, hash, look up."""
-        if data is None:
-            data = data_url_payload(part.url or "", part.location)
-        image = decode_vllm_image(data, self.service.settings.max_image_pixels, part.location)
-        identifier = check_identifier(image_identifier(self.algorithm, self.model_id,
-                                                       EncodedImage(data, image.io_config), part.uuid))
+        settings = self.service.settings
+        url = part.url or ""
+        if part.modality == "video":
+            if data is None and _media_type(url) == "video/jpeg":  # a list of JPEG frames
+                data_url_payload(url.partition(",")[0] + ",", part.location)  # vLLM's checks: base64 only
+                video = decode_vllm_jpeg_frames(url.partition(",")[2], settings.max_image_pixels, part.location)
+            else:
+                data = data_url_payload(url, part.location) if data is None else data
+                video = decode_vllm_video(data, loader_for(self.video_processor), settings.max_image_pixels,
+                                          settings.max_video_frames, part.location)
+            identifier = video_identifier(self.algorithm, self.model_id,
+                                          EncodedVideo(video.original_bytes, video.frames, video.metadata), part.uuid)
+            encode = lambda: {"frames": video.png_frames()}  # noqa: E731
+        elif part.modality == "audio":
+            data = data_url_payload(url, part.location) if data is None else data
+            rate = int(getattr(self.service.adapter, "sampling_rate", 16000))
+            audio = decode_vllm_audio(data, rate, settings.max_audio_seconds, part.location, self.resampler)
+            identifier = audio_identifier(self.algorithm, self.model_id, audio.samples, part.uuid)
+            encode = audio.wav
+        else:
+            data = data_url_payload(url, part.location) if data is None else data
+            image = decode_vllm_image(data, settings.max_image_pixels, part.location)
+            identifier = image_identifier(self.algorithm, self.model_id, EncodedImage(data, image.io_config),
+                                          part.uuid)
+            encode = (lambda: data) if image.native_equivalent else image.png  # noqa: E731
+        check_identifier(identifier)
         if part.uuid is None and self.storage.lookup(identifier):
             return _Prepared(identifier, hit=True, rows=self.storage.stored_rows(identifier))
-        return _Prepared(identifier, hit=False, encode_bytes=data if image.native_equivalent else image.png(),
-                         location=part.location)
+        return _Prepared(identifier, hit=False, modality=part.modality, encode_item=encode(), location=part.location)
 
     async def _encode_and_write(self, owned: dict[str, tuple[asyncio.Future[int], _Prepared]], req_id: str,
                                 priority: int) -> None:
-        """Encode the request's misses as one job, write each item's rows, and settle their futures."""
+        """Encode the request's misses (one job per modality), write each item's rows, and settle their futures."""
         identifiers = list(owned)
         try:
-            try:
-                part = await self.service.encode_rows(req_id, "image", [owned[i][1].encode_bytes for i in identifiers],
-                                                      priority)
-            except EncodeError as error:  # name the chat part, not the internal job's item
-                for index, identifier in enumerate(identifiers):
-                    error.message = error.message.replace(f"mm_items[{index}]", owned[identifier][1].location)
-                raise
-            pieces, offset = [], 0
-            for layout in part.layouts:
-                pieces.append(part.embedding[offset:offset + layout.tokens])
-                offset += layout.tokens
+            by_modality: dict[str, list[str]] = {}
+            for identifier in identifiers:
+                by_modality.setdefault(owned[identifier][1].modality, []).append(identifier)
+            results = await asyncio.gather(*(self._encode_modality(owned, modality, members, req_id, priority)
+                                             for modality, members in by_modality.items()),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            rows = {identifier: piece for result in results for identifier, piece in result}
+            pieces = [rows[identifier] for identifier in identifiers]
             await asyncio.get_running_loop().run_in_executor(
                 self.service.media_pool, self._write_all, list(zip(identifiers, pieces)))
         except BaseException as exc:
@@ -188,6 +277,23 @@ class VllmProducer:
         for identifier, rows in zip(identifiers, pieces):
             owned[identifier][0].set_result(int(rows.shape[0]))
             self._inflight.pop(identifier, None)
+
+    async def _encode_modality(self, owned: dict[str, tuple[asyncio.Future[int], _Prepared]], modality: str,
+                               identifiers: list[str], req_id: str, priority: int) -> list[tuple[str, object]]:
+        """One modality's misses as one job; each item's rows."""
+        job_id = req_id if len(owned) == len(identifiers) else f"{req_id}.{modality}"
+        try:
+            part = await self.service.encode_rows(job_id, modality, [owned[i][1].encode_item for i in identifiers],
+                                                  priority)
+        except EncodeError as error:  # name the chat part, not the internal job's item
+            for index, identifier in enumerate(identifiers):
+                error.message = error.message.replace(f"mm_items[{index}]", owned[identifier][1].location)
+            raise
+        pieces, offset = [], 0
+        for layout in part.layouts:
+            pieces.append(part.embedding[offset:offset + layout.tokens])
+            offset += layout.tokens
+        return list(zip(identifiers, pieces))
 
     def _write_all(self, items: list[tuple[str, object]]) -> None:
         for identifier, rows in items:

@@ -30,6 +30,8 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
 # vLLM's GLM-4.1V module imports its compressed-tensors quantization layer (pinned 0.17.0).
 "${PIP[@]}" --no-deps compressed-tensors==0.17.0
 "${PIP[@]}" loguru
+# vLLM resamples audio with torchaudio (its own pin; pure Python where vLLM uses it).
+"${PIP[@]}" --no-deps torchaudio==2.11.0
 "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -e "$ROOT"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
 import vllm

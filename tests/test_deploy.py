@@ -99,7 +99,7 @@ def test_manifest_runs_the_image_the_dockerfile_documents_building():
     assert image == tag and image.rsplit("/", 1)[-1].startswith("encode-server:")
 
 
-def test_dockerfile_installs_the_video_extra_on_a_cuda_base_and_runs_the_server():
+def test_dockerfile_installs_the_video_and_vllm_extras_on_a_cuda_base_and_runs_the_server():
     instructions = dockerfile_instructions()
     arguments = {}
     for keyword, rest in instructions:
@@ -109,7 +109,7 @@ def test_dockerfile_installs_the_video_extra_on_a_cuda_base_and_runs_the_server(
     assert base.startswith("CUDA_IMAGE=nvidia/cuda:") and arguments["FROM"] == ["${CUDA_IMAGE}"]
     runs = " ".join(arguments["RUN"])
     assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in runs
-    assert 'pip install ".[video]"' in runs
+    assert 'pip install ".[video,vllm]"' in runs  # PyAV for video files; OpenCV for the vLLM producer's videos
     assert json.loads(arguments["ENTRYPOINT"][0]) == ["encode-server"]
     assert arguments["EXPOSE"] == ["30000"]
     env = " ".join(arguments["ENV"])

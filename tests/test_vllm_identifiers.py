@@ -3,7 +3,9 @@
 `tests/golden/vllm-0.33.0-identifiers.json` was written by `scripts/vllm_golden.py generate` (vLLM's
 `ImageMediaIO.load_bytes` and `ProcessorInputs.get_mm_hashes`) for the tiny images in
 `tests/golden/vllm-images/`: one per decode path (RGB, transparent RGBA, palette with tRNS, grayscale,
-EXIF-rotated JPEG, CMYK JPEG).
+EXIF-rotated JPEG, CMYK JPEG); and for the clips in `vllm-videos/` (each through every video loader the
+producer implements: sampled frames, metadata, identifiers) and `vllm-audio/` (waveforms after vLLM's
+resampling to 16 kHz, identifiers).
 """
 
 from __future__ import annotations
@@ -107,3 +109,132 @@ def test_formats_outside_vllms_allow_list_are_refused():
     Image.new("RGB", (4, 4)).save(buffer, "EPS") if "EPS" in Image.SAVE else pytest.skip("no EPS writer")
     with pytest.raises(MediaError, match="not a decodable image"):
         decode_vllm_image(buffer.getvalue(), 10**8, "item")
+
+
+# --- videos and audio clips (`media.vllm_video`, `media.vllm_audio`) ------------------------------------
+
+VIDEOS = sorted(REFERENCE["videos"])
+AUDIO = sorted(REFERENCE["audio"])
+VIDEO_CASES = [(name, loader) for name in VIDEOS for loader in REFERENCE["videos"][name]]
+
+
+def test_the_golden_set_covers_every_video_loader_and_audio_path():
+    assert set(VIDEOS) == {"clip.mp4", "clip.avi", "frames.jpeg.b64"}
+    assert {loader for _, loader in VIDEO_CASES} == {"opencv", "qwen2_vl", "qwen3_vl", "opencv_dynamic",
+                                                     "jpeg_sequence"}
+    assert set(AUDIO) == {"mono16k.wav", "stereo44k.flac", "float22k.wav"}
+    assert {REFERENCE["audio"][name]["native_rate"] for name in AUDIO} == {16000, 22050, 44100}
+    sizes = [path.stat().st_size for folder in ("vllm-videos", "vllm-audio") for path in (GOLDEN / folder).iterdir()]
+    assert sum(sizes) < 48 * 1024
+
+
+def _video(name: str, loader: str):
+    from encode_server.media.vllm_video import decode_vllm_jpeg_frames, decode_vllm_video
+
+    data = (GOLDEN / "vllm-videos" / name).read_bytes()
+    if loader == "jpeg_sequence":
+        return decode_vllm_jpeg_frames(data.decode(), 10**8, "item")
+    return decode_vllm_video(data, loader, 10**8, 1000, "item")
+
+
+@pytest.mark.parametrize(("name", "loader"), VIDEO_CASES)
+def test_video_frames_and_metadata_are_vllms(name, loader):
+    expected = REFERENCE["videos"][name][loader]
+    video = _video(name, loader)
+    assert list(video.frames.shape) == expected["shape"] and video.frames.dtype == np.uint8
+    assert hashlib.sha256(np.ascontiguousarray(video.frames).tobytes()).hexdigest() == expected["frames_sha256"]
+    assert video.metadata == expected["metadata"]
+
+
+@pytest.mark.parametrize(("name", "loader"), VIDEO_CASES)
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256", "sha512"])
+def test_video_identifiers_are_vllms(name, loader, algorithm):
+    from encode_server.delivery.vllm_hash import EncodedVideo, video_identifier
+
+    video = _video(name, loader)
+    item = EncodedVideo(video.original_bytes, video.frames, video.metadata)
+    for model_id, identifier in REFERENCE["videos"][name][loader]["identifiers"][algorithm].items():
+        assert video_identifier(algorithm, model_id, item) == identifier
+    assert video_identifier(algorithm, "any", item, "mine") == "mine"
+
+
+def test_video_sampling_rules_follow_vllms_loaders():
+    from encode_server.media.vllm_video import frames_to_sample
+
+    # Qwen2-VL: total / fps * 2, floored to even, at least 4 (a 451-frame clip's float32 tail clamped)
+    assert frames_to_sample("qwen2_vl", 300, 30.0, 10.0) == list(range(0, 300, 15))
+    assert frames_to_sample("qwen2_vl", 451, 30.0, 451 / 30)[-1] <= 450
+    # Qwen3-VL: int(total / fps * 2) frames from linspace, rounded
+    assert frames_to_sample("qwen3_vl", 300, 30.0, 10.0) == np.linspace(0, 299, 20).round().astype(int).tolist()
+    # vLLM's default: 32 frames spread evenly, all of a shorter clip
+    assert frames_to_sample("opencv", 100, 25.0, 4.0) == np.linspace(0, 99, 32, dtype=int).tolist()
+    assert frames_to_sample("opencv", 7, 25.0, 0.28) == list(range(7))
+    with pytest.raises(ValueError, match="fps"):
+        frames_to_sample("qwen2_vl", 10, 0.0, 0)
+
+
+def test_the_video_loader_follows_the_model_s_video_processor(tmp_path):
+    from encode_server.media.vllm_video import UnsupportedVideoLoader, loader_for, video_processor_name
+
+    assert video_processor_name(None, "qwen2_5_vl") == "Qwen2VLVideoProcessor"
+    assert video_processor_name(None, "qwen3_vl") == "Qwen3VLVideoProcessor"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    assert video_processor_name(str(tmp_path), None) == "Qwen3VLVideoProcessor"
+    (tmp_path / "video_preprocessor_config.json").write_text('{"video_processor_type": "Qwen2VLVideoProcessor"}')
+    assert video_processor_name(str(tmp_path), None) == "Qwen2VLVideoProcessor"
+    assert [loader_for(name) for name in ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor", "Glm4vVideoProcessor",
+                                          "LlavaOnevisionVideoProcessor", None)] == \
+        ["qwen2_vl", "qwen3_vl", "opencv_dynamic", "opencv", "opencv"]
+    with pytest.raises(UnsupportedVideoLoader, match="glm5_next"):
+        loader_for("Glm5NextVideoProcessor")
+
+
+def test_broken_videos_are_media_errors_naming_the_item():
+    from encode_server.media.vllm_video import decode_vllm_video
+
+    with pytest.raises(MediaError, match="item: not a decodable video"):
+        decode_vllm_video(b"\x00\x00\x00\x18ftypmp42 not really", "qwen2_vl", 10**8, 100, "item")
+    clip = (GOLDEN / "vllm-videos" / "clip.mp4").read_bytes()
+    with pytest.raises(MediaError, match="--max-video-frames"):
+        decode_vllm_video(clip, "opencv", 10**8, 4, "item")
+    with pytest.raises(MediaError, match="--max-image-pixels"):
+        decode_vllm_video(clip, "opencv", 100, 100, "item")
+
+
+@pytest.fixture(scope="module")
+def resampler():
+    from encode_server.media.vllm_audio import Resampler
+
+    pool = Resampler()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("name", AUDIO)
+def test_audio_waveforms_and_identifiers_are_vllms(name, resampler):
+    from encode_server.delivery.vllm_hash import audio_identifier
+    from encode_server.media.vllm_audio import decode_vllm_audio
+
+    expected = REFERENCE["audio"][name]
+    audio = decode_vllm_audio((GOLDEN / "vllm-audio" / name).read_bytes(), REFERENCE["audio_rate"], 60.0, "item",
+                              resampler)
+    samples = audio.samples
+    assert samples.shape == (expected["samples"],) and samples.dtype.str == expected["dtype"]
+    assert hashlib.sha256(samples.tobytes()).hexdigest() == expected["samples_sha256"]
+    for algorithm, by_model in expected["identifiers"].items():
+        for model_id, identifier in by_model.items():
+            assert audio_identifier(algorithm, model_id, samples) == identifier
+    # What the encoder is sent reads back as exactly these samples, with no resampling.
+    from encode_server.media.decoding import decode_audio
+
+    assert np.array_equal(decode_audio(audio.wav(), REFERENCE["audio_rate"], 60.0, "item"), samples)
+
+
+def test_audio_limits_and_bad_files(resampler):
+    from encode_server.media.vllm_audio import decode_vllm_audio
+
+    clip = (GOLDEN / "vllm-audio" / "mono16k.wav").read_bytes()
+    with pytest.raises(MediaError, match="--max-audio-seconds"):
+        decode_vllm_audio(clip, 16000, 0.05, "item", resampler)
+    with pytest.raises(MediaError, match="item: not an audio file"):
+        decode_vllm_audio(b"RIFF....WAVEnope", 16000, 60.0, "item", resampler)

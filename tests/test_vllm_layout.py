@@ -26,3 +26,22 @@ def test_llava_onevision_needs_the_aspect_ratio_vllm_assumes():
 def test_other_families_are_not_concerned():
     check_vllm_layout(adapter("qwen2_5_vl", None))
     check_vllm_layout(adapter("qwen3_vl", "anything"))
+
+
+def test_modalities_vllm_lays_out_otherwise_are_refused_with_the_reason():
+    from encode_server.vllm_producer import vllm_layout_refusal
+
+    for family in ("kimi_k25", "muse_spark", "dots3_note"):
+        reason = vllm_layout_refusal(family, "video")
+        assert reason and "vLLM 0.33" in reason and "video_url" in reason
+    for family, modality in (("qwen2_5_vl", "video"), ("qwen3_vl", "video"), ("qwen2_audio", "audio"),
+                             ("qwen3_omni_moe", "audio"), ("kimi_k25", "image"), ("muse_spark", "audio")):
+        assert vllm_layout_refusal(family, modality) is None
+
+
+def test_video_loaders_vllm_has_of_its_own_are_refused():
+    from encode_server.media.vllm_video import UnsupportedVideoLoader, loader_for
+
+    for name in ("MiniMaxM3VLVideoProcessor", "MuseSparkVideoProcessor", "Glm46VVideoProcessor"):
+        with pytest.raises(UnsupportedVideoLoader, match="does not implement"):
+            loader_for(name)

@@ -116,7 +116,9 @@ def test_bad_items_are_openai_errors_naming_them_and_write_nothing(tmp_path):
             (proxy_body(image_part(good), image_part(data_url(b"\x89PNG not really"))), "messages[0].content[1]"),
             (proxy_body(image_part("data:image/png,rawbytes")), "only base64"),
             (proxy_body(image_part("ftp://example.invalid/cat.png")), "http(s) or data: URL"),
-            (proxy_body({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}), "input_audio"),
+            (proxy_body({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
+             "does not encode audio"),
+            (proxy_body({"type": "image_embeds", "image_embeds": "AAAA"}), "image_embeds parts are not supported"),
             (proxy_body(image_part(good, uuid="../escape")), "uuid"),
             (proxy_body({"uuid": "never-stored", "image_url": None}), "never-stored"),
             ({"messages": "nope"}, "messages"),
@@ -192,3 +194,138 @@ def test_without_ec_storage_the_endpoint_says_how_to_turn_it_on():
     with ServerProcess() as server:
         response = post(server, proxy_body(image_part(data_url(png_bytes(8, 8)))))
         assert response.status_code == 404 and "--ec-storage" in response.json()["error"]["message"]
+
+
+# --- video and audio items ---------------------------------------------------------------------------
+
+GOLDEN_ROOT = Path(__file__).parent / "golden"
+REFERENCE = __import__("json").loads((GOLDEN_ROOT / "vllm-0.33.0-identifiers.json").read_text())
+CONSUMER_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"  # one of the golden model ids
+
+
+def media_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def native_rows_of(server, modality: str, item) -> torch.Tensor:
+    response = httpx.post(f"{server.url}/encode", json={"req_id": "reference", "modality": modality,
+                                                        "mm_items": [item], "return_embedding": True}, timeout=60)
+    assert response.status_code == 200, response.text
+    return torch.from_numpy(decode_embedding(response.json()).copy())
+
+
+def frames_item(frames) -> dict:
+    out = []
+    for frame in frames:
+        buffer = io.BytesIO()
+        Image.fromarray(frame).save(buffer, "PNG")
+        out.append(base64.b64encode(buffer.getvalue()).decode())
+    return {"frames": out}
+
+
+def test_video_parts_store_vllms_identifiers_and_the_rows_of_vllms_frames(tmp_path):
+    from encode_server.media.vllm_video import decode_vllm_jpeg_frames, decode_vllm_video
+
+    storage = tmp_path / "ec"
+    clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
+    avi = (GOLDEN_ROOT / "vllm-videos" / "clip.avi").read_bytes()
+    jpegs = (GOLDEN_ROOT / "vllm-videos" / "frames.jpeg.b64").read_text()
+    files = {"/clip.avi": avi}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = files.get(self.path, b"")
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", "video/x-msvideo")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    media = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=media.serve_forever, daemon=True).start()
+    cases = [  # (part, golden entry, vLLM's decode); tiny-qwen2.5-vl: Qwen2VLVideoProcessor, vLLM's qwen2_vl loader
+        ({"type": "video_url", "video_url": {"url": media_url(clip, "video/mp4")}},
+         REFERENCE["videos"]["clip.mp4"]["qwen2_vl"], decode_vllm_video(clip, "qwen2_vl", 10**8, 100, "x")),
+        ({"type": "video_url", "video_url": {"url": f"http://127.0.0.1:{media.server_address[1]}/clip.avi"}},
+         REFERENCE["videos"]["clip.avi"]["qwen2_vl"], decode_vllm_video(avi, "qwen2_vl", 10**8, 100, "x")),
+        ({"type": "video_url", "video_url": {"url": "data:video/jpeg;base64," + jpegs}},
+         REFERENCE["videos"]["frames.jpeg.b64"]["jpeg_sequence"], decode_vllm_jpeg_frames(jpegs, 10**8, "x")),
+    ]
+    try:
+        with ServerProcess("--ec-storage", str(storage), "--ec-model-id", CONSUMER_MODEL,
+                           "--allow-private-urls", "true") as server:
+            for part, golden, video in cases:
+                response = post(server, proxy_body(part))
+                assert response.status_code == 200, response.text
+                (item,) = response.json()["encoder_cache"]
+                assert item["identifier"] == golden["identifiers"]["blake3"][CONSUMER_MODEL] and not item["hit"]
+                rows = load_file(str(storage / item["identifier"] / "encoder_cache.safetensors"))["ec_cache"]
+                assert item["tokens"] == rows.shape[0]
+                # The rows of the frames vLLM samples (not of our own sampling of the file), bit for bit.
+                assert torch.equal(rows, native_rows_of(server, "video", frames_item(video.frames)))
+            assert server.metric("encoder_ec_storage_writes_total") == 3
+            # A video and an image in one body: one job per modality, both stored.
+            both = post(server, proxy_body(image_part(data_url(png_bytes(40, 30, 7))), cases[0][0]))
+            assert both.status_code == 200, both.text
+            assert [item["hit"] for item in both.json()["encoder_cache"]] == [False, True]
+            # Sent again with a uuid naming the stored video: a hit, nothing fetched.
+            again = post(server, proxy_body({"uuid": cases[0][1]["identifiers"]["blake3"][CONSUMER_MODEL],
+                                             "video_url": None}))
+            assert again.status_code == 200 and again.json()["encoder_cache"][0]["hit"], again.text
+            for part, needle in [
+                ({"type": "video_url", "video_url": {"url": media_url(b"not a video", "video/mp4")}},
+                 "messages[0].content[0]: not a decodable video"),
+                ({"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,!!!,AAAA"}}, "not valid base64"),
+                ({"type": "audio_url", "audio_url": {"url": media_url(b"RIFF", "audio/wav")}}, "does not encode audio"),
+                ({"type": "video_url"}, "video_url.url"),
+            ]:
+                response = post(server, proxy_body(part))
+                assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+            assert server.metric("encoder_ec_storage_writes_total") == 4
+    finally:
+        media.shutdown()
+
+
+def test_audio_parts_store_vllms_identifiers_and_rows(tmp_path):
+    storage = tmp_path / "ec"
+    clips = {name: (GOLDEN_ROOT / "vllm-audio" / name).read_bytes() for name in REFERENCE["audio"]}
+    with ServerProcess("--model", "tiny-qwen2-audio", "--ec-storage", str(storage),
+                       "--ec-model-id", CONSUMER_MODEL) as server:
+        parts = {
+            "mono16k.wav": {"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(clips["mono16k.wav"]).decode(), "format": "wav"}},
+            "stereo44k.flac": {"type": "audio_url", "audio_url": {"url": media_url(clips["stereo44k.flac"],
+                                                                                   "audio/flac")}},
+            "float22k.wav": {"type": "audio_url", "audio_url": {"url": media_url(clips["float22k.wav"],
+                                                                                 "audio/wav")}},
+        }
+        for name, part in parts.items():
+            response = post(server, proxy_body(part))
+            assert response.status_code == 200, response.text
+            (item,) = response.json()["encoder_cache"]
+            assert item["identifier"] == REFERENCE["audio"][name]["identifiers"]["blake3"][CONSUMER_MODEL]
+            rows = load_file(str(storage / item["identifier"] / "encoder_cache.safetensors"))["ec_cache"]
+            assert item["tokens"] == rows.shape[0] > 0
+        # The rows are those of vLLM's waveform (resampled as vLLM does), not of our own resampling.
+        from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
+
+        resampler = Resampler()
+        try:
+            audio = decode_vllm_audio(clips["stereo44k.flac"], 16000, 60.0, "x", resampler)
+        finally:
+            resampler.close()
+        identifier = REFERENCE["audio"]["stereo44k.flac"]["identifiers"]["blake3"][CONSUMER_MODEL]
+        rows = load_file(str(storage / identifier / "encoder_cache.safetensors"))["ec_cache"]
+        assert torch.equal(rows, native_rows_of(server, "audio", base64.b64encode(audio.wav()).decode()))
+        for part, needle in [
+            ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"nope").decode(), "format": "wav"}},
+             "messages[0].content[0]: not an audio file"),
+            ({"type": "input_audio", "input_audio": "AAAA"}, "input_audio must be an object"),
+            (image_part(data_url(png_bytes(8, 8))), "does not encode image"),
+        ]:
+            response = post(server, proxy_body(part))
+            assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+        assert server.metric("encoder_ec_storage_writes_total") == 3

@@ -5,12 +5,19 @@ A vLLM consumer looks an item up in the encoder-cache storage under its `mm_hash
 client gave one, else `MultiModalHasher.hash_kwargs(algorithm, model_id=<the consumer's --model>,
 image=<the item>)` (`vllm/multimodal/hasher.py`). That hash feeds the digest a framed stream: every
 chunk preceded by its length (8 bytes, little-endian), every value by a tag (none, sequence, mapping,
-leaf), keys sorted at the top level. An image loaded from bytes is hashed as those original bytes, or as
-`{"io_config": {...}, "data": bytes}` when vLLM had to convert it (`media/vllm_images.py` says when).
+leaf), keys sorted at the top level. What is hashed for each modality:
 
-Only what identifies our items is written here (strings, bytes, numbers, lists, dicts, images as
-bytes); `tests/golden/vllm-0.33.0-identifiers.json` holds identifiers that vLLM itself computed, and a
-test checks these against them (`scripts/vllm_golden.py` regenerates them from vLLM).
+- an image loaded from bytes: those original bytes, or `{"io_config": {...}, "data": bytes}` when vLLM
+  had to convert it (`media/vllm_images.py` says when);
+- a video: the pair its loader returns, `(frames with their original bytes, metadata)`: the bytes (or
+  the frames array, when it is the smaller) under the key "video", then the metadata dict
+  (`media/vllm_video.py`);
+- an audio clip: the waveform array its data parser hands the processor (dtype, shape, bytes), after
+  resampling to the model's rate (`media/vllm_audio.py`).
+
+Only what identifies our items is written here (strings, bytes, numbers, lists, dicts, numpy arrays,
+images and videos as above); `tests/golden/vllm-0.33.0-identifiers.json` holds identifiers that vLLM
+itself computed, and a test checks these against them (`scripts/vllm_golden.py` regenerates them).
 """
 
 from __future__ import annotations
@@ -41,6 +48,15 @@ class EncodedImage:
     io_config: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class EncodedVideo:
+    """A video as vLLM hashes one its loader returned: `(MediaWithBytes(frames, original_bytes), metadata)`."""
+
+    original_bytes: bytes
+    frames: np.ndarray
+    metadata: dict[str, Any]
+
+
 def _hasher(algorithm: str) -> Callable[[], Any]:
     if algorithm == "blake3":
         from blake3 import blake3
@@ -51,6 +67,11 @@ def _hasher(algorithm: str) -> Callable[[], Any]:
     if algorithm == "sha512":
         return hashlib.sha512
     raise ValueError(f"unsupported hash algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+
+
+@dataclass(frozen=True, eq=False)
+class _VideoMedia:
+    video: EncodedVideo
 
 
 def _length(value: int) -> bytes:
@@ -70,6 +91,13 @@ def _serialize(obj: Any) -> Iterator[bytes]:
         yield from _framed(obj.encode("utf-8"))
     elif isinstance(obj, (int, float)):  # bool too: numpy's own byte forms, as vLLM writes them
         yield from _framed(np.array(obj).tobytes())
+    elif isinstance(obj, np.ndarray):  # vLLM: {"dtype", "shape", "data"} under the key "ndarray"
+        data = obj.item() if obj.ndim == 0 else obj.tobytes()
+        yield from _key_value("ndarray", {"dtype": obj.dtype.str, "shape": tuple(obj.shape), "data": data})
+    elif isinstance(obj, _VideoMedia):  # MediaWithBytes(frames, bytes): whichever is smaller
+        video = obj.video
+        smaller = video.frames if video.frames.nbytes < len(video.original_bytes) else video.original_bytes
+        yield from _key_value("video", smaller)
     elif isinstance(obj, EncodedImage):
         if obj.io_config:
             yield from _key_value("image", {"io_config": obj.io_config, "data": obj.data})
@@ -83,6 +111,8 @@ def _value(obj: Any) -> Iterator[bytes]:
     """vLLM's `iter_value_to_bytes`: a tag for the container kind, lengths for containers."""
     if obj is None:
         yield _TAG_NONE
+    elif isinstance(obj, EncodedVideo):  # the (media, metadata) pair
+        yield from _value((_VideoMedia(obj), obj.metadata))
     elif isinstance(obj, (list, tuple)):
         yield _TAG_SEQUENCE
         yield _length(len(obj))
@@ -120,6 +150,16 @@ def item_identifier(algorithm: str, model_id: str, modality: str, item: Any, uui
     if uuid is not None:
         return uuid
     return hash_kwargs(algorithm, model_id=model_id, **{modality: item})
+
+
+def video_identifier(algorithm: str, model_id: str, video: EncodedVideo, uuid: str | None = None) -> str:
+    """The `mm_hash` of a video part that vLLM's loader decoded into `video`."""
+    return item_identifier(algorithm, model_id, "video", video, uuid)
+
+
+def audio_identifier(algorithm: str, model_id: str, samples: np.ndarray, uuid: str | None = None) -> str:
+    """The `mm_hash` of an audio part whose waveform, as vLLM's parser resampled it, is `samples`."""
+    return item_identifier(algorithm, model_id, "audio", samples, uuid)
 
 
 def image_identifier(algorithm: str, model_id: str, image: EncodedImage, uuid: str | None = None) -> str:

@@ -181,6 +181,8 @@ def create_app(settings: Settings, adapter=None, group=None):
         try:
             yield
         finally:
+            if getattr(app.state, "vllm_producer", None) is not None:
+                app.state.vllm_producer.close()
             await service.stop()
 
     app = FastAPI(title="encode-server", version=encode_server.__version__, lifespan=lifespan)
