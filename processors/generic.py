@@ -290,11 +290,16 @@ class GenericAdapter(EncoderAdapter):
 
             fps = getattr(item, "fps", PROBE_CLIP_FPS)
             indices = list(getattr(item, "frames_indices", range(len(item))))
-            media = {"videos": [clip_tensor(item)], "do_sample_frames": False, "video_metadata": [VideoMetadata(
+            media = {"videos": [clip_tensor(item)], "do_sample_frames": False, "return_metadata": True,
+                     "video_metadata": [VideoMetadata(
                 total_num_frames=len(item), fps=fps, frames_indices=indices, duration=len(item) / fps)]}
         else:
             media = {"audio": [item], "sampling_rate": self.sampling_rate}
-        return dict(self.processor(text=[prompt], **media, return_tensors="pt"))
+        if "mm_token_type_ids" in self.forward_inputs:  # the multimodal RoPE of some models reads it
+            media["return_mm_token_type_ids"] = True
+        processed = self.processor(text=[prompt], **media, return_tensors="pt")
+        return {key: value for key, value in processed.items()
+                if key in self.forward_inputs or key.endswith("input_ids")}
 
     def _positions(self, modality: str, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.isin(input_ids[0], self.filled[modality]).nonzero().flatten()
