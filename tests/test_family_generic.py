@@ -231,3 +231,31 @@ def test_video_is_served_by_the_generic_path_with_the_frames_as_sampled(tmp_path
         expected.append(spliced_rows(model, inputs, model.config.video_token_id))
         assert adapter.item_layout("video", clip).tokens == expected[-1].shape[0]
     assert rel_diff(fused, torch.cat(expected)) <= 1e-5
+
+
+def test_a_model_whose_features_are_not_deterministic_is_refused(checkpoint):
+    """Noise in the features (as VibeVoice-ASR samples by default): two runs on the same probe differ, so no rows
+    are the model's."""
+    adapter = checkpoint[3]
+    handle = adapter.model.model.multi_modal_projector.register_forward_hook(
+        lambda module, args, output: output + 0.01 * torch.randn_like(output))
+    try:
+        with pytest.raises(CheckpointError, match="not deterministic"):
+            adapter.filled_tokens("image", adapter.prompts["image"])
+    finally:
+        handle.remove()
+    assert adapter.filled_tokens("image", adapter.prompts["image"]).tolist() == [4]
+
+
+def test_features_added_to_the_text_embedding_are_refused(checkpoint):
+    """A model that adds its features to the placeholder's text embedding (instead of replacing it) cannot be
+    served without the language model's embedding table."""
+    adapter = checkpoint[3]
+    image_token = adapter.filled["image"]
+    handle = adapter.model.model.multi_modal_projector.register_forward_hook(
+        lambda module, args, output: output + adapter.embedding(image_token).to(output.dtype))
+    try:
+        with pytest.raises(CheckpointError, match="mix the model's features with the text embedding"):
+            adapter.filled_tokens("image", adapter.prompts["image"])
+    finally:
+        handle.remove()
