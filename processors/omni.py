@@ -133,6 +133,24 @@ def build_adapter(name: str, spec: OmniSpec, vision_tower: torch.nn.Module, audi
                               spec.run_tower, audio_tower, audio, device, dtype)
 
 
+def build_tiny_thinker(name: str, spec: OmniSpec, vision: dict[str, Any], audio: dict[str, Any],
+                       image_processor: Any, video: VideoPatcher, feature_extractor: Any, device: torch.device,
+                       dtype: torch.dtype) -> OmniThinkerAdapter:
+    """A built-in tiny thinker: the spec's two towers built from these config values (sdpa attention, fixed
+    seed, float32), served with the given image processor, video settings and feature extractor."""
+    from .builtin import seeded
+
+    towers = [(transformers_class(path), values) for path, values in
+              ((spec.vision_tower_class, vision), (spec.audio_tower_class, audio))]
+    configs = [tower.config_class(**values) for tower, values in towers]
+    for config in configs:
+        config._attn_implementation = "sdpa"
+    vision_tower, audio_tower = seeded(lambda: [tower._from_config(config).float()
+                                                for (tower, _), config in zip(towers, configs)])
+    audio_items = OmniAudio(spec.audio_rule, feature_extractor, int(feature_extractor.sampling_rate))
+    return build_adapter(name, spec, vision_tower, audio_tower, image_processor, video, audio_items, device, dtype)
+
+
 def load_omni_thinker(folder: Path, device: torch.device, dtype: torch.dtype, spec: OmniSpec) -> OmniThinkerAdapter:
     """The thinker's vision and audio towers of an Omni checkpoint folder, with the image processor, video
     processor settings and feature extractor the model's full processor would use."""

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from .builtin import seeded
 from .family import Family
-from .omni import OmniSpec, OmniThinkerAdapter, build_adapter, load_omni_thinker, shard_audio_tower
-from .omni_audio import OmniAudio, OmniAudioRule
+from .omni import OmniSpec, OmniThinkerAdapter, build_tiny_thinker, load_omni_thinker, shard_audio_tower
+from .omni_audio import OmniAudioRule
 from .qwen_audio import audio_output_rows
 
 
@@ -82,35 +81,23 @@ def tiny_qwen25_omni(device: torch.device, dtype: torch.dtype) -> OmniThinkerAda
     """`tiny-qwen2.5-omni`: a 4-block vision tower of width 128 (patch 14, merge 2, windows of 112 pixels) and a
     2-layer audio tower of width 64 on 128-bin Whisper features at 16 kHz (30 s window); rows 128 wide."""
     from transformers import WhisperFeatureExtractor
-    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
-        Qwen2_5OmniAudioEncoderConfig,
-        Qwen2_5OmniVisionEncoderConfig,
-    )
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-        Qwen2_5OmniAudioEncoder,
-        Qwen2_5OmniVisionEncoder,
-    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from .omni import VideoPatcher
     from .video_patches import qwen2_vl_video_settings_class
 
-    vision = Qwen2_5OmniVisionEncoderConfig(depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
-                                            out_hidden_size=128, patch_size=14, spatial_merge_size=2,
-                                            temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1, 3])
-    audio = Qwen2_5OmniAudioEncoderConfig(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4,
-                                          encoder_ffn_dim=128, d_model=64, n_window=100, output_dim=128)
-    for config in (vision, audio):
-        config._attn_implementation = "sdpa"
-    vision_tower, audio_tower = seeded(lambda: (Qwen2_5OmniVisionEncoder._from_config(vision).float(),
-                                                Qwen2_5OmniAudioEncoder._from_config(audio).float()))
+    vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
+                  out_hidden_size=128, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1, 3])
+    audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4,
+                 encoder_ffn_dim=128, d_model=64, n_window=100, output_dim=128)
     # Up to 448x448 pixels per image or frame: at most 256 rows each, which keeps CPU forwards short.
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=448 * 448)
     video = VideoPatcher(qwen2_vl_video_settings_class()(size={"shortest_edge": 56 * 56,
                                                                "longest_edge": 448 * 448}))
     extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30)
-    return build_adapter("tiny-qwen2.5-omni", SPEC, vision_tower, audio_tower, image_processor, video,
-                         OmniAudio(SPEC.audio_rule, extractor, 16000), device, dtype)
+    return build_tiny_thinker("tiny-qwen2.5-omni", SPEC, vision, audio, image_processor, video, extractor, device,
+                              dtype)
 
 
 FAMILY = Family(

@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from .builtin import seeded
 from .family import Family
-from .omni import OmniSpec, OmniThinkerAdapter, build_adapter, load_omni_thinker, shard_audio_tower
-from .omni_audio import OmniAudio, OmniAudioRule
+from .omni import OmniSpec, OmniThinkerAdapter, build_tiny_thinker, load_omni_thinker, shard_audio_tower
+from .omni_audio import OmniAudioRule
 from .qwen3_vl import run_qwen3_tower
 
 #: Frames per audio chunk (`2 * n_window`) and rows per full chunk that the processor's and SGLang's counts assume.
@@ -111,29 +110,17 @@ def tiny_qwen3_omni(device: torch.device, dtype: torch.dtype) -> OmniThinkerAdap
     384 wide (image and video: main + 2 deepstack blocks)."""
     from transformers import WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoderConfig,
-        Qwen3OmniMoeVisionEncoderConfig,
-    )
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoder,
-        Qwen3OmniMoeVisionEncoder,
-    )
 
     from .omni import VideoPatcher
     from .video_patches import qwen2_vl_video_settings_class
 
-    vision = Qwen3OmniMoeVisionEncoderConfig(depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
-                                             out_hidden_size=128, patch_size=16, spatial_merge_size=2,
-                                             temporal_patch_size=2, num_position_embeddings=256,
-                                             deepstack_visual_indexes=[1, 2])
-    audio = Qwen3OmniMoeAudioEncoderConfig(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4,
-                                           encoder_ffn_dim=128, d_model=64, n_window=50, n_window_infer=400,
-                                           output_dim=128, downsample_hidden_size=16)
-    for config in (vision, audio):
-        config._attn_implementation = "sdpa"
-    vision_tower, audio_tower = seeded(lambda: (Qwen3OmniMoeVisionEncoder._from_config(vision).float(),
-                                                Qwen3OmniMoeAudioEncoder._from_config(audio).float()))
+    vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
+                  out_hidden_size=128, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=256,
+                  deepstack_visual_indexes=[1, 2])
+    audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4,
+                 encoder_ffn_dim=128, d_model=64, n_window=50, n_window_infer=400,
+                 output_dim=128, downsample_hidden_size=16)
     # Up to 512x512 pixels per image or frame (256 rows each), keeping CPU forwards short.
     image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                                                min_pixels=64 * 64, max_pixels=512 * 512,
@@ -142,8 +129,8 @@ def tiny_qwen3_omni(device: torch.device, dtype: torch.dtype) -> OmniThinkerAdap
         patch_size=16, size={"shortest_edge": 64 * 64, "longest_edge": 512 * 512},
         image_mean=[0.5] * 3, image_std=[0.5] * 3))
     extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160)
-    return build_adapter("tiny-qwen3-omni", SPEC, vision_tower, audio_tower, image_processor, video,
-                         OmniAudio(SPEC.audio_rule, extractor, 16000), device, dtype)
+    return build_tiny_thinker("tiny-qwen3-omni", SPEC, vision, audio, image_processor, video, extractor, device,
+                              dtype)
 
 
 FAMILY = Family(

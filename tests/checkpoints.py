@@ -12,16 +12,10 @@ from pathlib import Path
 
 import torch
 
+from .tiny_parts import save_checkpoint as _save
+
 TEXT = dict(vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
-
-
-def _save(model: torch.nn.Module, processor, folder: Path, max_shard_size: str | None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    processor.save_pretrained(folder)
-    return folder
 
 
 def as_resolved(processor, folder: Path):

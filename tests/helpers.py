@@ -49,16 +49,10 @@ def decode_embedding(response: dict) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4").reshape(response["embedding_shape"])
 
 
-class ServerProcess(_Launcher):
-    """The launcher, plus reading one sample of `/metrics`.
+class MetricsReader:
+    """Reading one sample of a server's `/metrics` (at `self.url`)."""
 
-    Test servers run with the embedding cache off (`ENCODER_CACHE_BYTES=0`) unless a test turns it on
-    with `--cache-bytes` or its own environment: most tests send the same few images again and again to
-    exercise batching, deadlines and delivery, which a cache would answer without reaching the encoder.
-    """
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None, **kwargs) -> None:
-        super().__init__(*args, env={"ENCODER_CACHE_BYTES": "0", **(env or {})}, **kwargs)
+    url: str
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of `/metrics` (0 when absent)."""
@@ -74,3 +68,74 @@ class ServerProcess(_Launcher):
             if all(found.get(key, "").strip('"') == want for key, want in labels.items()):
                 return float(value)
         return 0.0
+
+
+class ServerProcess(MetricsReader, _Launcher):
+    """The launcher, plus reading one sample of `/metrics`.
+
+    Test servers run with the embedding cache off (`ENCODER_CACHE_BYTES=0`) unless a test turns it on
+    with `--cache-bytes` or its own environment: most tests send the same few images again and again to
+    exercise batching, deadlines and delivery, which a cache would answer without reaching the encoder.
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, env={"ENCODER_CACHE_BYTES": "0", **(env or {})}, **kwargs)
+
+
+class InProcessServer(MetricsReader):
+    """The same server (settings from the same flags and environment, the same app, uvicorn on a free loopback
+    port) run in this process, on a thread: for tests of what the server answers, where a process of its own adds
+    nothing but start-up time (importing torch and transformers again). What needs the process (signals and
+    draining, exit codes, start-up errors, logs, worker ranks, preprocessing workers) stays with `ServerProcess`.
+    The embedding cache is off unless turned on, as there."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 120.0) -> None:
+        import os
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), "--log-level", "warning", *args]
+        self.environ = {**os.environ, "ENCODER_CACHE_BYTES": "0", **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.server = self.thread = None
+
+    def __enter__(self) -> InProcessServer:
+        import threading
+        import time
+
+        import uvicorn
+
+        from encode_server.http.app import create_app
+        from encode_server.ops.settings import load_settings
+        from processors import load_adapter, resolve_model
+
+        settings = load_settings(self.args, self.environ)
+        if max(settings.tp_size, settings.dp_size) > 1 or settings.preprocess_workers != 0:
+            raise ValueError("ranks and preprocessing workers are processes: use ServerProcess")
+        model = resolve_model(settings.model)
+        adapter = load_adapter(model, settings.device, settings.dtype,
+                               name=settings.model if model != settings.model else None)
+        config = uvicorn.Config(create_app(settings, adapter), host=settings.host, port=settings.port,
+                                log_level=settings.log_level, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=settings.keep_alive_timeout_s)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"server-{self.port}", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"the in-process server on port {self.port} did not start")
+            time.sleep(0.01)
+        response = httpx.get(self.url + "/health", timeout=10.0)
+        if response.status_code != 200:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"server started but /health says {response.text}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+            assert not self.thread.is_alive(), "the in-process server did not stop within 30 s"

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
+
+from . import tiny_parts
+from .tiny_parts import random_image
+from .tiny_parts import save_checkpoint as _save
 
 WORDS = ["describe", "please", "video", "seconds"]
 
@@ -50,16 +53,12 @@ IMAGE_SIZES = [(20, 30), (56, 56), (150, 70), (45, 190), (333, 250)]
 CLIP_SIZES = [(1, 56, 56), (3, 100, 60), (5, 50, 150), (8, 200, 140)]
 
 
-def image(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def clip(frames: int, width: int, height: int, seed: int) -> list[Image.Image]:
-    return [image(width, height, seed * 100 + index) for index in range(frames)]
+    return [random_image(width, height, seed * 100 + index) for index in range(frames)]
 
 
 def sample_images() -> list[Image.Image]:
-    return [image(w, h, 70 + seed) for seed, (w, h) in enumerate(IMAGE_SIZES)]
+    return [random_image(w, h, 70 + seed) for seed, (w, h) in enumerate(IMAGE_SIZES)]
 
 
 def sample_clips() -> list[list[Image.Image]]:
@@ -68,24 +67,7 @@ def sample_clips() -> list[list[Image.Image]]:
 
 def word_tokenizer(specials: list[str], named: dict[str, str] | None = None):
     """A word-level fast tokenizer whose special tokens include the family's media tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    base = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    vocab = {token: index for index, token in enumerate(base + specials + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(base + specials)  # matched anywhere in the text, never split
-    kwargs = {"extra_special_tokens": named} if named else {}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", **kwargs)
-
-
-def _save(model: torch.nn.Module, processor, folder: Path, max_shard_size: str | None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    processor.save_pretrained(folder)
-    return folder
+    return tiny_parts.word_tokenizer(WORDS, specials, named)
 
 
 def kimi_k25_checkpoint(folder: Path, max_shard_size: str | None = None):

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from .tiny_parts import random_image
+
 LAYOUTS = ("nested", "flat")
 
 #: The tokens of each model's tokenizer, by the attribute names its processor reads.
@@ -50,16 +52,12 @@ AUDIO_SAMPLES = {
 SAMPLING_RATE = 16000
 
 
-def image(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def sample_images() -> list[Image.Image]:
-    return [image(w, h, seed) for seed, (w, h) in enumerate(IMAGE_SIZES)]
+    return [random_image(w, h, seed) for seed, (w, h) in enumerate(IMAGE_SIZES)]
 
 
 def sample_clips() -> list[list[Image.Image]]:
-    return [[image(w, h, 100 * seed + frame) for frame in range(n)] for seed, (n, w, h) in enumerate(CLIP_SIZES)]
+    return [[random_image(w, h, 100 * seed + frame) for frame in range(n)] for seed, (n, w, h) in enumerate(CLIP_SIZES)]
 
 
 def audio_clip(samples: int, seed: int) -> np.ndarray:

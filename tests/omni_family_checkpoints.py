@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .other_family_checkpoints import random_image
+from .tiny_parts import random_image
 
 MUSE_TOKENS = ["<|patch|>", "<|image_start|>", "<|image_end|>", "<|video|>", "<|vid_frame_separator|>",
                "<|vid_start|>", "<|vid_end|>", "<|audio|>", "<|soft_audio_start|>", "<|soft_audio_end|>"]

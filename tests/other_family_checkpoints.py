@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from . import tiny_parts
 from .helpers import ROOT
+from .tiny_parts import random_image  # noqa: F401 (re-exported for the family tests)
 
 TEXT_WORDS = ["hello", "image", "here", "is", "the", "original", "and", "are", "some", "crops", "to", "help", "you",
               "see", "better", "describe"]
@@ -29,21 +31,7 @@ TEXT_WORDS = ["hello", "image", "here", "is", "the", "original", "and", "are", "
 
 def word_tokenizer(specials: list[str], named: dict[str, str] | None = None):
     """A word-level fast tokenizer whose special tokens include the family's image tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    base = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    vocab = {token: index for index, token in enumerate(base + specials + TEXT_WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(base + specials)  # matched anywhere in the text, never split
-    kwargs = {"extra_special_tokens": named} if named else {}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", **kwargs)
-
-
-def random_image(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+    return tiny_parts.word_tokenizer(TEXT_WORDS, specials, named)
 
 
 def rel_diff(a, b) -> float:

@@ -23,7 +23,7 @@ from encode_server.delivery.native_wire import NativeWire
 from encode_server.records import EncodedPart, PartMeta
 from processors import ItemLayout, load_adapter
 
-from .helpers import ServerProcess, png_bytes
+from .helpers import InProcessServer, ServerProcess, png_bytes
 
 CACHED = ("--cache-bytes", "64MiB", "--health-probe-interval-s", "3600")
 
@@ -61,7 +61,7 @@ def forwards(server: ServerProcess, modality: str = "image") -> tuple[float, flo
 @pytest.fixture(scope="module")
 def server():
     # Requests arriving within 150 ms of each other fuse into one forward.
-    with ServerProcess(*CACHED, "--max-wait-ms", "150") as server:
+    with InProcessServer(*CACHED, "--max-wait-ms", "150") as server:
         yield server
 
 
@@ -175,7 +175,7 @@ def wav_and_flac(seconds: float, seed: int) -> tuple[bytes, bytes, bytes]:
 
 @pytest.mark.parametrize("model", ["tiny-internvl", "tiny-qwen2-audio", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_other_families_cached_rows_are_bit_identical_to_a_fresh_encode(model):
-    with ServerProcess(*CACHED, "--model", model, "--max-wait-ms", "150") as family_server:
+    with InProcessServer(*CACHED, "--model", model, "--max-wait-ms", "150") as family_server:
         if model == "tiny-internvl":
             items, copies = image_items(500, [(56, 56), (112, 56), (168, 56), (56, 112), (100, 60), (64, 64)])
             check_bit_identical(family_server, "image", items, copies)
@@ -244,8 +244,8 @@ def test_native_wire_headers_carry_the_cached_flags():
 def small_holding_server():
     # Room for 6 entries of a 112x112 image (16 rows x 128 floats + overhead); lone requests wait 0.6 s.
     capacity = 6 * (16 * 128 * 4 + 1024)
-    with ServerProcess("--cache-bytes", str(capacity), "--health-probe-interval-s", "3600", "--max-wait-ms", "600",
-                       "--min-batch-size", "8", "--hard-timeout-additional-s", "0.4") as server:
+    with InProcessServer("--cache-bytes", str(capacity), "--health-probe-interval-s", "3600", "--max-wait-ms", "600",
+                         "--min-batch-size", "8", "--hard-timeout-additional-s", "0.4") as server:
         yield server, capacity
 
 
@@ -321,7 +321,7 @@ def test_deadlines_inside_the_batching_window_are_served_in_the_default_configur
     flags = ("--max-wait-ms", "300", "--min-batch-size", "4", "--hard-timeout-additional-s", "0.6",
              "--max-batch-size", "8", "--health-probe-interval-s", "3600")
     outcomes = []
-    with ServerProcess(*flags, env={"ENCODER_CACHE_BYTES": "auto"}) as server:
+    with InProcessServer(*flags, env={"ENCODER_CACHE_BYTES": "auto"}) as server:
         for attempt, timeout_s in enumerate((0.2, 0.2, 0.3)):
             response = encode(server, f"hurried-{attempt}", [b64(png_bytes(56, 56, seed=100 + attempt))],
                               timeout_s=timeout_s)

@@ -24,14 +24,14 @@ from encode_server.receiver import EmbeddingError, EmbeddingReceiver, WireFormat
 from encode_server.records import EncodedPart, PartMeta
 from processors import ItemLayout
 
-from .helpers import ROOT, ServerProcess, free_port, image_b64, push
+from .helpers import ROOT, InProcessServer, free_port, image_b64, push
 
 SEND_TIMEOUT = 1.5
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--send-timeout-s", str(SEND_TIMEOUT)) as process:
+    with InProcessServer("--send-timeout-s", str(SEND_TIMEOUT)) as process:
         yield process
 
 
@@ -176,7 +176,7 @@ def test_wildcard_and_half_given_destinations_are_400(server):
 # --- parts from two encoders, restarts, dead destinations --------------------------------------
 
 def test_parts_from_two_encoders_merge_in_part_order(server):
-    with ServerProcess() as second, EmbeddingReceiver() as receiver:
+    with InProcessServer() as second, EmbeddingReceiver() as receiver:
         images = [image_b64(56, 56, seed=5), image_b64(84, 84, seed=6)]
         common = {"req_id": "parts", "num_parts": 2, "prefill_host": "127.0.0.1", "embedding_port": receiver.port,
                   "return_embedding": True}

@@ -20,7 +20,7 @@ from functools import cache
 
 import pytest
 
-from .helpers import ROOT, ServerProcess
+from .helpers import ROOT, InProcessServer
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
 DOCUMENTED_PORT = "127.0.0.1:30000"
@@ -37,7 +37,7 @@ def example(path, name: str) -> str:
 @pytest.fixture(scope="module")
 def server():
     """A server as a user starts it: the defaults (the embedding cache on, which the helper turns off)."""
-    with ServerProcess(env={"ENCODER_CACHE_BYTES": "auto"}) as process:
+    with InProcessServer(env={"ENCODER_CACHE_BYTES": "auto"}) as process:
         yield process
 
 

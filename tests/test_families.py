@@ -24,13 +24,10 @@ from processors.checkpoint import CheckpointError
 from processors.registry import load_checkpoint
 
 from .checkpoints import internvl_checkpoint, qwen2_audio_checkpoint, qwen25_vl_checkpoint
-from .helpers import ServerProcess, rel_diff
+from .helpers import InProcessServer, rel_diff
+from .tiny_parts import random_image
 
 CPU, F32 = torch.device("cpu"), torch.float32
-
-
-def random_image(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def png_b64(image: Image.Image) -> str:
@@ -236,7 +233,7 @@ def test_qwen_folder_served_fused_images_and_a_video(qwen_ckpt):
     model, processor, folder = qwen_ckpt
     sizes = [(56, 56), (84, 140), (200, 90), (60, 61), (150, 150), (33, 90)]
     requests = [[random_image(*sizes[(i + k) % 6], seed=10 * i + k) for k in range(1 + i % 2)] for i in range(6)]
-    with ServerProcess("--model", str(folder), *BATCHING) as server:
+    with InProcessServer("--model", str(folder), *BATCHING) as server:
         info = httpx.get(server.url + "/server_info").json()["model"]
         assert info["family"] == "qwen2_5_vl" and info["modalities"] == ["image", "video"]
         bodies = [{"req_id": f"q{i}", "modality": "image", "mm_items": [png_b64(im) for im in images],
@@ -258,7 +255,7 @@ def test_qwen_folder_served_fused_images_and_a_video(qwen_ckpt):
 def test_internvl_folder_served_fuses_requests_with_different_tile_counts(internvl_ckpt):
     model, processor, folder = internvl_ckpt
     requests = [[random_image(40 + 50 * i, 40 + 17 * (i % 3), seed=i)] for i in range(6)]
-    with ServerProcess("--model", str(folder), *BATCHING) as server:
+    with InProcessServer("--model", str(folder), *BATCHING) as server:
         bodies = [{"req_id": f"t{i}", "modality": "image", "mm_items": [png_b64(im) for im in images],
                    "return_embedding": True} for i, images in enumerate(requests)]
         responses = asyncio.run(post_all(server.url, bodies))
@@ -295,7 +292,7 @@ def test_audio_folder_served_resamples_and_fuses_wav_flac_ogg(audio_ckpt):
         if rate != 8000:
             mono = librosa.resample(mono, orig_sr=rate, target_sr=8000)
         expected.append(audio_reference(model, extractor, [mono.astype(np.float32)]))
-    with ServerProcess("--model", str(folder), *BATCHING) as server:
+    with InProcessServer("--model", str(folder), *BATCHING) as server:
         bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [base64.b64encode(data).decode()],
                    "return_embedding": True} for i, (data, _) in enumerate(clips)]
         responses = asyncio.run(post_all(server.url, bodies))
@@ -324,7 +321,7 @@ def test_builtin_families_serve_and_video_files_decode(tmp_path):
             frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 12, dtype=np.uint8), format="rgb24")
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
-    with ServerProcess("--video-fps", "2", "--max-video-frames", "8") as server:
+    with InProcessServer("--video-fps", "2", "--max-video-frames", "8") as server:
         response = httpx.post(server.url + "/encode", timeout=60, json={
             "req_id": "mp4", "modality": "video", "mm_items": [base64.b64encode(path.read_bytes()).decode()]})
         assert response.status_code == 200, response.text
@@ -334,7 +331,7 @@ def test_builtin_families_serve_and_video_files_decode(tmp_path):
             "mm_items": [{"frames": [png_b64(random_image(28, 28, i)) for i in range(9)]}]})
         assert too_many.status_code == 400 and "limit of 8" in too_many.json()["message"]
     for name, modality in (("tiny-internvl", "image"), ("tiny-qwen2-audio", "audio")):
-        with ServerProcess("--model", name) as server:
+        with InProcessServer("--model", name) as server:
             info = httpx.get(server.url + "/server_info").json()["model"]
             assert info["name"] == name and info["modalities"] == [modality]
             item = (png_b64(random_image(120, 60, 1)) if modality == "image"

@@ -31,7 +31,8 @@ from processors.checkpoint import CheckpointError
 from processors.dots3_note import FAMILY, audio_rows
 from processors.registry import family_for_model_type, load_checkpoint
 
-from .helpers import ROOT, ServerProcess, rel_diff
+from .family_fixtures import check_fused_equals_alone, checkpoint_fixtures
+from .helpers import ROOT, InProcessServer, rel_diff
 from .omni_family_checkpoints import DOTS_SAMPLING_RATE, dots3_note_checkpoint, video, wav_b64, waveform
 from .other_family_checkpoints import random_image, spliced_rows
 from .test_families import BATCHING, embedding_of, png_b64, post_all
@@ -42,21 +43,8 @@ VIDEOS = [(60, 45, 3), (100, 50, 2)]  # (width, height, frames): one frame per t
 AUDIO_SECONDS = [0.5, 7.3, 0.01]  # 7.3 s is three chunks of at most 3 s: 38 + 38 + 17 rows
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return dots3_note_checkpoint(tmp_path_factory.mktemp("dots3_note"))
-
-
-@pytest.fixture(scope="module")
-def adapter(checkpoint):
-    return load_checkpoint(checkpoint[1], CPU, F32)
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(checkpoint[1])
+checkpoint, adapter, processor = checkpoint_fixtures(
+    lambda root: dots3_note_checkpoint(root / "dots3_note"), load_checkpoint)
 
 
 def images():
@@ -69,17 +57,6 @@ def videos():
 
 def clips():
     return [waveform(seconds, DOTS_SAMPLING_RATE, seed) for seed, seconds in enumerate(AUDIO_SECONDS)]
-
-
-def check_fused_equals_alone(adapter, modality, items, alone_rows):
-    batch = adapter.preprocess(modality, items)
-    assert batch.layouts == [adapter.item_layout(modality, item) for item in items]
-    fused = adapter.forward(batch)
-    alone = [alone_rows(item) for item in items]
-    assert [layout.tokens for layout in batch.layouts] == [rows.shape[0] for rows in alone]
-    assert fused.shape == (sum(rows.shape[0] for rows in alone), adapter.info.hidden_size)
-    assert rel_diff(fused, torch.cat(alone)) <= 1e-5
-    return batch
 
 
 def test_the_registry_serves_dots3_note_here_without_a_tensor_parallel_plan(adapter):
@@ -208,7 +185,7 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
                                                   inputs["chunk_sample_lengths"]).pooler_output
 
     waves = [waveform(seconds, DOTS_SAMPLING_RATE, seed) for seed, seconds in enumerate([0.3, 4.0, 0.7, 2.0])]
-    with ServerProcess("--model", str(folder), *BATCHING) as server:
+    with InProcessServer("--model", str(folder), *BATCHING) as server:
         info = httpx.get(server.url + "/server_info").json()["model"]
         assert info["family"] == "dots3_note" and info["modalities"] == ["image", "video", "audio"]
         bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [wav_b64(wave, DOTS_SAMPLING_RATE)],

@@ -17,6 +17,7 @@ from processors.checkpoint import CheckpointError
 from processors.glm5_next import FAMILY
 from processors.registry import family_for_model_type
 
+from .family_fixtures import checkpoint_fixtures
 from .kimi_glm5_minimax_checkpoints import PROMPTS, glm5_next_checkpoint, sample_clips, sample_images
 from .torchvision_family_checks import check_fused, check_prompt_rows
 
@@ -25,21 +26,8 @@ pytest.importorskip("torchvision", reason="GLM-5-Next's transformers processors 
 CPU, F32 = torch.device("cpu"), torch.float32
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return glm5_next_checkpoint(tmp_path_factory.mktemp("glm5_next") / "tiny-glm5-next")
-
-
-@pytest.fixture(scope="module")
-def adapter(checkpoint):
-    return FAMILY.load(checkpoint[1], CPU, F32)
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(checkpoint[1])
+checkpoint, adapter, processor = checkpoint_fixtures(
+    lambda root: glm5_next_checkpoint(root / "tiny-glm5-next"), FAMILY.load)
 
 
 def test_the_registry_serves_glm5_next_with_a_tensor_parallel_plan():

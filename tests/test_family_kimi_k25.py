@@ -23,6 +23,7 @@ import torch
 from processors.kimi_k25 import FAMILY
 from processors.registry import family_for_model_type
 
+from .family_fixtures import checkpoint_fixtures
 from .kimi_glm5_minimax_checkpoints import PROMPTS, kimi_k25_checkpoint, sample_clips, sample_images
 from .torchvision_family_checks import check_fused, check_prompt_rows
 
@@ -31,21 +32,8 @@ pytest.importorskip("torchvision", reason="Kimi K2.5's transformers processors n
 CPU, F32 = torch.device("cpu"), torch.float32
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return kimi_k25_checkpoint(tmp_path_factory.mktemp("kimi_k25") / "tiny-kimi-k25")
-
-
-@pytest.fixture(scope="module")
-def adapter(checkpoint):
-    return FAMILY.load(checkpoint[1], CPU, F32)
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(checkpoint[1])
+checkpoint, adapter, processor = checkpoint_fixtures(
+    lambda root: kimi_k25_checkpoint(root / "tiny-kimi-k25"), FAMILY.load)
 
 
 def video_reference(model, processor, frames) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from processors.minimax_m3_vl import FAMILY
 from processors.registry import family_for_model_type
 
+from .family_fixtures import checkpoint_fixtures
 from .kimi_glm5_minimax_checkpoints import PROMPTS, clip, minimax_m3_vl_checkpoint, sample_clips, sample_images
 from .torchvision_family_checks import check_fused, check_prompt_rows
 
@@ -29,21 +30,8 @@ CPU, F32 = torch.device("cpu"), torch.float32
 ALIGNED_CLIPS = [(3, 56, 84), (5, 112, 56), (4, 84, 84)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return minimax_m3_vl_checkpoint(tmp_path_factory.mktemp("minimax_m3_vl") / "tiny-minimax-m3-vl")
-
-
-@pytest.fixture(scope="module")
-def adapter(checkpoint):
-    return FAMILY.load(checkpoint[1], CPU, F32)
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(checkpoint[1])
+checkpoint, adapter, processor = checkpoint_fixtures(
+    lambda root: minimax_m3_vl_checkpoint(root / "tiny-minimax-m3-vl"), FAMILY.load)
 
 
 def aligned_clips():

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -27,10 +25,12 @@ from processors.muse_spark import FAMILY
 from processors.registry import family_for_model_type, load_checkpoint
 from processors.sharding import ShardingError
 
-from .helpers import ROOT, ServerProcess, free_port, rel_diff
+from .family_fixtures import check_fused_equals_alone, checkpoint_fixtures
+from .helpers import InProcessServer, rel_diff
 from .omni_family_checkpoints import MUSE_SAMPLING_RATE, muse_spark_checkpoint, video, wav_b64, waveform
 from .other_family_checkpoints import random_image, spliced_rows
 from .test_families import BATCHING, embedding_of, png_b64, post_all
+from .tp_family_worker import run_ranks
 
 CPU, F32 = torch.device("cpu"), torch.float32
 IMAGE_SIZES = [(60, 45), (130, 40), (30, 90), (300, 280)]  # the last is capped at max_image_tokens (16)
@@ -39,21 +39,8 @@ AUDIO_SECONDS = [0.5, 1.3, 0.01]  # 7, 17 and 1 rows (1920 samples a row at 24 k
 FPS = 2.0
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return muse_spark_checkpoint(tmp_path_factory.mktemp("muse_spark"))
-
-
-@pytest.fixture(scope="module")
-def adapter(checkpoint):
-    return load_checkpoint(checkpoint[1], CPU, F32)
-
-
-@pytest.fixture(scope="module")
-def processor(checkpoint):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(checkpoint[1])
+checkpoint, adapter, processor = checkpoint_fixtures(
+    lambda root: muse_spark_checkpoint(root / "muse_spark"), load_checkpoint)
 
 
 def images():
@@ -66,17 +53,6 @@ def videos():
 
 def clips():
     return [waveform(seconds, MUSE_SAMPLING_RATE, seed) for seed, seconds in enumerate(AUDIO_SECONDS)]
-
-
-def check_fused_equals_alone(adapter, modality, items, alone_rows):
-    batch = adapter.preprocess(modality, items)
-    assert batch.layouts == [adapter.item_layout(modality, item) for item in items]
-    fused = adapter.forward(batch)
-    alone = [alone_rows(item) for item in items]
-    assert [layout.tokens for layout in batch.layouts] == [rows.shape[0] for rows in alone]
-    assert fused.shape == (sum(rows.shape[0] for rows in alone), adapter.info.hidden_size)
-    assert rel_diff(fused, torch.cat(alone)) <= 1e-5
-    return batch
 
 
 def test_the_registry_serves_muse_spark_here(adapter):
@@ -198,7 +174,7 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
             return model.model.get_audio_features(inputs["input_values"], inputs["input_values_mask"]).pooler_output
 
     waves = [waveform(seconds, MUSE_SAMPLING_RATE, seed) for seed, seconds in enumerate([0.3, 1.1, 0.7, 2.0])]
-    with ServerProcess("--model", str(folder), *BATCHING) as server:
+    with InProcessServer("--model", str(folder), *BATCHING) as server:
         info = httpx.get(server.url + "/server_info").json()["model"]
         assert info["family"] == "muse_spark" and info["modalities"] == ["image", "video", "audio"]
         bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [wav_b64(wave, MUSE_SAMPLING_RATE)],
@@ -225,18 +201,7 @@ def adapter_rows(adapter, modality, item):
 
 
 def test_two_tensor_parallel_ranks_give_the_unsharded_rows(checkpoint, tmp_path):
-    out = tmp_path / "tp.json"
-    init_url = f"tcp://127.0.0.1:{free_port()}"
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.tp_modalities_worker", str(rank), "2", init_url, str(out),
-                               f"processors.muse_spark={checkpoint[1]}"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    try:
-        outputs = [rank.communicate(timeout=240) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
-    results = json.loads(out.read_text())
+    results = run_ranks([f"processors.muse_spark={checkpoint[1]}"], tmp_path / "tp.json", timeout=240, modalities=True)
     assert set(results) == {"muse_spark/image", "muse_spark/video", "muse_spark/audio"}
     for name, result in results.items():
         assert result["rows"] > 0 and result["rel"] <= 1e-5, (name, result)

@@ -4,17 +4,14 @@ the unsharded encoder; a head count that does not split is refused before anythi
 from __future__ import annotations
 
 import importlib
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from processors.sharding import ShardingError
 
-from .helpers import ROOT, free_port
 from .other_family_checkpoints import gemma3_checkpoint, llava_onevision_checkpoint, mistral3_checkpoint
+from .tp_family_worker import run_ranks
 
 BUILDERS = {"processors.gemma3": gemma3_checkpoint, "processors.llava_onevision": llava_onevision_checkpoint,
             "processors.mistral3": mistral3_checkpoint}
@@ -26,19 +23,8 @@ def folders(tmp_path_factory):
 
 
 def test_two_ranks_give_the_unsharded_rows(folders, tmp_path):
-    out = tmp_path / "tp.json"
-    init_url = f"tcp://127.0.0.1:{free_port()}"
     specs = [f"{module}={folder}" for module, folder in folders.items()]
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.tp_family_worker", str(rank), "2", init_url, str(out),
-                               *specs], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    try:
-        outputs = [rank.communicate(timeout=240) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
-    results = json.loads(out.read_text())
+    results = run_ranks(specs, tmp_path / "tp.json", timeout=240)
     assert set(results) == {"gemma3", "llava_onevision", "mistral3"}
     for name, result in results.items():
         assert result["rows"] > 0 and result["rel"] <= 1e-5, (name, result)

@@ -15,7 +15,7 @@ from encode_server.media.decoding import MediaLimits, decode_frames, decode_imag
 from encode_server.ops.settings import Settings
 from processors import load_adapter
 
-from .helpers import ServerProcess
+from .helpers import InProcessServer
 
 ORIENTATION = 0x0112
 
@@ -56,7 +56,7 @@ def test_the_grid_is_the_one_transformers_sees():
     want = adapter.image_processor(images=[load_image(Image.open(io.BytesIO(data)))], return_tensors="pt")
     assert want["image_grid_thw"].tolist() == [[1, 12, 6]]
     assert adapter.item_layout("image", decode_image(data, 50_000_000, "x")).grid_thw == (1, 12, 6)
-    with ServerProcess() as server:
+    with InProcessServer() as server:
         encoded = base64.b64encode(data).decode()
         image = httpx.post(server.url + "/encode", timeout=60, json={
             "req_id": "exif", "modality": "image", "mm_items": [encoded]})

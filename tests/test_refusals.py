@@ -23,7 +23,7 @@ from processors.base import resolve_device
 from processors.checkpoint import CheckpointError
 from processors.registry import builtin_models
 
-from .helpers import ROOT, ServerProcess, image_b64, png_bytes
+from .helpers import ROOT, InProcessServer, image_b64, png_bytes
 
 
 def run_server(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -132,7 +132,7 @@ def test_through_the_server_each_refusal_names_its_remedy():
     limits = ("--max-request-bytes", "60000", "--max-image-pixels", "5000", "--max-video-frames", "2",
               "--req-timeout-s", "10", "--max-priority", "3")
     small = image_b64(56, 56)
-    with ServerProcess(*limits) as server:
+    with InProcessServer(*limits) as server:
         def refusal(body: dict, status: int = 400) -> str:
             response = httpx.post(server.url + "/encode", json=body, timeout=60)
             assert response.status_code == status, response.text

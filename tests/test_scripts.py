@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .helpers import ROOT, ServerProcess
+from .helpers import ROOT, InProcessServer
 
 #: Runs a script with `httpx` unimportable (it is only in the test extra).
 WITHOUT_HTTPX = ("import runpy, sys; sys.modules['httpx'] = None; sys.argv = sys.argv[1:]; "
@@ -13,7 +13,7 @@ WITHOUT_HTTPX = ("import runpy, sys; sys.modules['httpx'] = None; sys.argv = sys
 
 
 def test_demo_prefill_runs_without_httpx():
-    with ServerProcess() as server:
+    with InProcessServer() as server:
         done = subprocess.run([sys.executable, "-c", WITHOUT_HTTPX, str(ROOT / "scripts" / "demo_prefill.py"),
                                "--url", server.url], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr

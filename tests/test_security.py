@@ -30,7 +30,7 @@ from encode_server.media.url_guard import (
 )
 from encode_server.ops.settings import Settings
 
-from .helpers import ServerProcess, image_b64, png_bytes
+from .helpers import InProcessServer, image_b64, png_bytes
 
 # --- the address policy, decided without any connection ---------------------------------------
 
@@ -206,8 +206,8 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def guarded_server(media_dir):
-    with ServerProcess("--allowed-local-media-dir", str(media_dir), "--max-image-pixels", "1000000",
-                       "--max-request-bytes", "2000000") as server:
+    with InProcessServer("--allowed-local-media-dir", str(media_dir), "--max-image-pixels", "1000000",
+                         "--max-request-bytes", "2000000") as server:
         yield server
 
 
@@ -311,7 +311,7 @@ def test_oversized_bodies_are_413_with_or_without_content_length(guarded_server)
 
 
 def test_allowed_private_urls_fetch_and_content_type_is_checked(loopback_site):
-    with ServerProcess("--allow-private-urls", "true") as server:
+    with InProcessServer("--allow-private-urls", "true") as server:
         ok = httpx.post(server.url + "/encode", json={"req_id": "u", "modality": "image",
                                                      "mm_items": [f"{loopback_site}/cat.png"]})
         assert ok.status_code == 200, ok.text
@@ -361,7 +361,7 @@ def test_fuzzed_bodies_never_get_a_5xx(guarded_server):
 
 def test_api_key_guards_every_endpoint_but_health_and_metrics():
     """A Prometheus scraper reads /metrics without the key (unless --metrics-require-key: next test)."""
-    with ServerProcess("--api-key", "s3cret") as server:
+    with InProcessServer("--api-key", "s3cret") as server:
         assert httpx.get(server.url + "/health").status_code == 200
         metrics = httpx.get(server.url + "/metrics")
         assert metrics.status_code == 200 and "encoder_requests_total" in metrics.text
@@ -383,7 +383,7 @@ def test_api_key_guards_every_endpoint_but_health_and_metrics():
 
 
 def test_metrics_require_key_puts_metrics_behind_the_key_too():
-    with ServerProcess("--api-key", "s3cret", env={"ENCODER_METRICS_REQUIRE_KEY": "true"}) as server:
+    with InProcessServer("--api-key", "s3cret", env={"ENCODER_METRICS_REQUIRE_KEY": "true"}) as server:
         assert httpx.get(server.url + "/health").status_code == 200
         assert httpx.get(server.url + "/metrics").status_code == 401
         assert httpx.get(server.url + "/server_info").status_code == 401

@@ -16,7 +16,7 @@ import torch
 
 from processors.registry import load_checkpoint
 
-from .helpers import ServerProcess, rel_diff
+from .helpers import InProcessServer, ServerProcess, rel_diff
 from .kimi_glm5_minimax_checkpoints import CHECKPOINTS, sample_clips, sample_images
 
 pytest.importorskip("torchvision", reason="these families' transformers processors need torchvision")
@@ -45,8 +45,9 @@ def test_images_and_videos_batched_by_the_server_give_the_adapters_rows(model_ty
                 "mm_items": [png_b64(item) if modality == "image" else {"frames": [png_b64(f) for f in item]}
                              for item in items]}) for index, (modality, items) in enumerate(requests)))
 
-    with ServerProcess("--model", str(folder), "--max-wait-ms", "300", "--min-batch-size", "2",
-                       *FLAGS[model_type]) as server:
+    server_class = ServerProcess if FLAGS[model_type] else InProcessServer  # preprocessing workers are processes
+    with server_class("--model", str(folder), "--max-wait-ms", "300", "--min-batch-size", "2",
+                      *FLAGS[model_type]) as server:
         info = httpx.get(server.url + "/server_info").json()
         responses = asyncio.run(send(server.url))
     assert info["model"]["family"] == model_type and info["model"]["modalities"] == ["image", "video"]

@@ -16,7 +16,7 @@ from PIL import Image
 
 from processors.qwen_vl import tiny_qwen25_vl
 
-from .helpers import ServerProcess, decode_embedding, image_b64, png_bytes, rel_diff
+from .helpers import InProcessServer, ServerProcess, decode_embedding, image_b64, png_bytes, rel_diff
 
 REQUIRED_METRICS = (
     "encoder_requests_total", "encoder_batch_size", "encoder_queue_wait_seconds", "encoder_preprocess_seconds",
@@ -35,8 +35,8 @@ def default_server():
 @pytest.fixture(scope="module")
 def batching_server():
     """Holds requests up to 400 ms for company, so a concurrent burst fuses deterministically."""
-    with ServerProcess("--max-wait-ms", "400", "--min-batch-size", "64", "--hard-timeout-additional-s", "0.2",
-                       "--max-batch-size", "32") as server:
+    with InProcessServer("--max-wait-ms", "400", "--min-batch-size", "64", "--hard-timeout-additional-s", "0.2",
+                         "--max-batch-size", "32") as server:
         yield server
 
 

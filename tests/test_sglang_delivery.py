@@ -25,7 +25,7 @@ from encode_server.delivery.sglang_wire import SglangFrames, SglangWire, seconds
 from encode_server.records import EncodedPart, PartMeta
 from processors import BUILTIN_MODELS, ItemLayout
 
-from .helpers import ServerProcess, image_b64
+from .helpers import InProcessServer, image_b64
 from .test_sglang_wire import canonical, load
 
 SEND_TIMEOUT = 1.5
@@ -42,7 +42,7 @@ SGLANG_EXTRAS = {"encoder_idx": 0, "encoder_url": "http://127.0.0.1:1", "time_st
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--wire-format", "sglang", "--send-timeout-s", str(SEND_TIMEOUT)) as process:
+    with InProcessServer("--wire-format", "sglang", "--send-timeout-s", str(SEND_TIMEOUT)) as process:
         yield process
 
 

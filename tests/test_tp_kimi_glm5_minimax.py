@@ -5,17 +5,14 @@ weight changes."""
 from __future__ import annotations
 
 import importlib
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from processors.sharding import ShardingError
 
-from .helpers import ROOT, free_port
 from .kimi_glm5_minimax_checkpoints import CHECKPOINTS
+from .tp_family_worker import run_ranks
 
 pytest.importorskip("torchvision", reason="these families' transformers processors need torchvision")
 
@@ -29,19 +26,8 @@ def folders(tmp_path_factory):
 
 
 def test_two_ranks_give_the_unsharded_rows(folders, tmp_path):
-    out = tmp_path / "tp.json"
-    init_url = f"tcp://127.0.0.1:{free_port()}"
     specs = [f"{module}={folder}" for module, folder in folders.items()]
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.tp_family_worker", str(rank), "2", init_url, str(out),
-                               *specs], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    try:
-        outputs = [rank.communicate(timeout=300) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
-    results = json.loads(out.read_text())
+    results = run_ranks(specs, tmp_path / "tp.json", timeout=300)
     assert set(results) == {"kimi_k25", "glm5_next", "minimax_m3_vl"}
     for name, result in results.items():
         assert result["rows"] > 0 and result["rel"] <= 1e-5, (name, result)

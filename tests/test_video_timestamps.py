@@ -35,7 +35,7 @@ from encode_server.records import EncodedPart, PartMeta
 from processors import ItemLayout
 from processors.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 
-from .helpers import ServerProcess, png_bytes
+from .helpers import InProcessServer, png_bytes
 from .prompt_checkpoints import VISION_PROMPTS, build, prompt_timestamps
 from .test_sglang_wire import load
 from .vlm_fixtures import clip
@@ -282,8 +282,8 @@ def test_both_wire_formats_deliver_the_timestamps_end_to_end(wire_format):
     expected = [[(0 / 24 + 10 / 24) / 2, (20 / 24 + 30 / 24) / 2, 40 / 24], [0.125, 0.5]]
     pull = Pull()
     try:
-        with ServerProcess("--model", "tiny-qwen3-vl", "--wire-format", wire_format, "--video-fps", "4",
-                           "--max-video-frames", "5", "--cache-bytes", "64000000") as server:
+        with InProcessServer("--model", "tiny-qwen3-vl", "--wire-format", wire_format, "--video-fps", "4",
+                             "--max-video-frames", "5", "--cache-bytes", "64000000") as server:
             first, first_frames = encode(server, pull, "first", [mp4, frames])
             again, again_frames = encode(server, pull, "again", [mp4, frames])
     finally:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from encode_server.delivery.vllm_hash import EncodedImage, image_identifier
 from encode_server.media.vllm_images import decode_vllm_image
-from tests.helpers import ServerProcess, decode_embedding, png_bytes
+from tests.helpers import InProcessServer, decode_embedding, png_bytes
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm-images"
 
@@ -60,7 +60,7 @@ def test_proxy_requests_store_vllms_identifiers_and_rows(tmp_path):
     transparent = (GOLDEN / "rgba.png").read_bytes()
     rotated = (GOLDEN / "exif6.jpg").read_bytes()
     plain = png_bytes(64, 48, 3)
-    with ServerProcess("--ec-storage", str(storage), "--ec-model-id", "Qwen/Qwen2.5-VL-3B-Instruct") as server:
+    with InProcessServer("--ec-storage", str(storage), "--ec-model-id", "Qwen/Qwen2.5-VL-3B-Instruct") as server:
         for data in (plain, transparent, rotated):
             response = post(server, proxy_body(image_part(data_url(data))))
             assert response.status_code == 200, response.text
@@ -82,7 +82,7 @@ def test_proxy_requests_store_vllms_identifiers_and_rows(tmp_path):
 def test_hits_uuids_and_several_items_in_one_body(tmp_path):
     storage = tmp_path / "ec"
     first, second = png_bytes(40, 40, 1), png_bytes(56, 30, 2)
-    with ServerProcess("--ec-storage", str(storage)) as server:
+    with InProcessServer("--ec-storage", str(storage)) as server:
         response = post(server, proxy_body(image_part(data_url(first)), image_part(data_url(second), uuid="mine-2"),
                                            image_part(data_url(first))))
         assert response.status_code == 200, response.text
@@ -103,7 +103,7 @@ def test_hits_uuids_and_several_items_in_one_body(tmp_path):
         assert server.metric("encoder_ec_storage_bytes") == sum(
             path.stat().st_size for path in storage.rglob("encoder_cache.safetensors"))
     # A restart finds them: the storage is a cache across restarts.
-    with ServerProcess("--ec-storage", str(storage)) as server:
+    with InProcessServer("--ec-storage", str(storage)) as server:
         response = post(server, proxy_body(image_part(data_url(second), uuid="mine-2")))
         assert response.json()["encoder_cache"][0]["hit"] and server.metric("encoder_ec_storage_files") == 2
 
@@ -111,7 +111,7 @@ def test_hits_uuids_and_several_items_in_one_body(tmp_path):
 def test_bad_items_are_openai_errors_naming_them_and_write_nothing(tmp_path):
     storage = tmp_path / "ec"
     good = data_url(png_bytes(32, 32, 4))
-    with ServerProcess("--ec-storage", str(storage)) as server:
+    with InProcessServer("--ec-storage", str(storage)) as server:
         cases = [
             (proxy_body(image_part(good), image_part(data_url(b"\x89PNG not really"))), "messages[0].content[1]"),
             (proxy_body(image_part("data:image/png,rawbytes")), "only base64"),
@@ -154,7 +154,7 @@ def test_http_images_and_concurrent_proxy_requests(tmp_path):
     threading.Thread(target=media.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{media.server_address[1]}"
     try:
-        with ServerProcess("--ec-storage", str(storage), "--allow-private-urls", "true") as server:
+        with InProcessServer("--ec-storage", str(storage), "--allow-private-urls", "true") as server:
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
                 responses = list(pool.map(lambda name: post(server, proxy_body(image_part(base + name)), "same-id"),
                                           files))
@@ -172,26 +172,26 @@ def test_http_images_and_concurrent_proxy_requests(tmp_path):
 def test_bound_and_minimum_age_with_metrics(tmp_path):
     storage = tmp_path / "ec"
     images = [png_bytes(28, 28, 100 + index) for index in range(5)]
-    with ServerProcess("--ec-storage", str(tmp_path / "probe")) as server:
+    with InProcessServer("--ec-storage", str(tmp_path / "probe")) as server:
         post(server, proxy_body(image_part(data_url(images[0]))))
         size = int(server.metric("encoder_ec_storage_bytes"))
-    with ServerProcess("--ec-storage", str(storage), "--ec-storage-bytes", str(2 * size),
-                       "--ec-storage-min-age-s", "0") as server:
+    with InProcessServer("--ec-storage", str(storage), "--ec-storage-bytes", str(2 * size),
+                         "--ec-storage-min-age-s", "0") as server:
         identifiers = [post(server, proxy_body(image_part(data_url(image)))).json()["encoder_cache"][0]["identifier"]
                        for image in images]
         assert server.metric("encoder_ec_storage_evictions_total") == 3
         assert server.metric("encoder_ec_storage_files") == 2
         assert server.metric("encoder_ec_storage_bytes") <= 2 * size
         assert sorted(path.name for path in storage.iterdir()) == sorted(identifiers[-2:])
-    with ServerProcess("--ec-storage", str(storage), "--ec-storage-bytes", str(size),
-                       "--ec-storage-min-age-s", "3600") as server:
+    with InProcessServer("--ec-storage", str(storage), "--ec-storage-bytes", str(size),
+                         "--ec-storage-min-age-s", "3600") as server:
         post(server, proxy_body(image_part(data_url(images[0]))))
         assert server.metric("encoder_ec_storage_evictions_total") == 0  # all young: the bound waits
         assert server.metric("encoder_ec_storage_files") == 3
 
 
 def test_without_ec_storage_the_endpoint_says_how_to_turn_it_on():
-    with ServerProcess() as server:
+    with InProcessServer() as server:
         response = post(server, proxy_body(image_part(data_url(png_bytes(8, 8)))))
         assert response.status_code == 404 and "--ec-storage" in response.json()["error"]["message"]
 
