@@ -255,7 +255,7 @@ def test_video_parts_store_vllms_identifiers_and_the_rows_of_vllms_frames(tmp_pa
          REFERENCE["videos"]["frames.jpeg.b64"]["jpeg_sequence"], decode_vllm_jpeg_frames(jpegs, 10**8, "x")),
     ]
     try:
-        with ServerProcess("--ec-storage", str(storage), "--ec-model-id", CONSUMER_MODEL,
+        with InProcessServer("--ec-storage", str(storage), "--ec-model-id", CONSUMER_MODEL,
                            "--allow-private-urls", "true") as server:
             for part, golden, video in cases:
                 response = post(server, proxy_body(part))
@@ -292,7 +292,7 @@ def test_video_parts_store_vllms_identifiers_and_the_rows_of_vllms_frames(tmp_pa
 def test_audio_parts_store_vllms_identifiers_and_rows(tmp_path):
     storage = tmp_path / "ec"
     clips = {name: (GOLDEN_ROOT / "vllm-audio" / name).read_bytes() for name in REFERENCE["audio"]}
-    with ServerProcess("--model", "tiny-qwen2-audio", "--ec-storage", str(storage),
+    with InProcessServer("--model", "tiny-qwen2-audio", "--ec-storage", str(storage),
                        "--ec-model-id", CONSUMER_MODEL) as server:
         parts = {
             "mono16k.wav": {"type": "input_audio", "input_audio": {
