@@ -13,7 +13,7 @@
 # ENCODER_PORT, so change the port with -e ENCODER_PORT=..., not --port). On SIGTERM it drains for
 # --drain-timeout-s (30 s) before it exits: keep docker's stop timeout above it.
 #
-# torch: PyPI's Linux wheels of torch 2.13.0 are CUDA 13.0 builds that bring their own CUDA libraries
+# torch: PyPI's Linux wheels of torch 2.14.1 (and torchvision 0.29.1) are CUDA 13.0 builds that bring their own CUDA libraries
 # (the nvidia-* packages), so the image needs no CUDA toolkit of its own: nvidia/cuda's "base" flavour
 # has what the container toolkit looks for (it mounts the host's driver, and refuses a driver too old for
 # CUDA 13.0 with a clear message). A host whose driver supports CUDA 12 only takes a CUDA 12 build of torch
@@ -24,7 +24,9 @@
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
-ARG TORCH_VERSION=2.13.0
+ARG TORCH_VERSION=2.14.1
+# torchvision: the processors transformers runs on GPU machines (and the ones the tests run) need it.
+ARG TORCHVISION_VERSION=0.29.1
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -38,8 +40,8 @@ RUN apt-get update \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-# torch first, from the index chosen above, so that installing the package keeps that (CUDA) build.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# torch and torchvision first, from the index chosen above, so that installing the package keeps that (CUDA) build.
+RUN pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # The package with its video extra (PyAV decodes video files) and its vllm extra (OpenCV decodes the
 # vLLM producer's video items, as vLLM does); soundfile, PyAV and OpenCV wheels carry their own

@@ -108,7 +108,8 @@ def test_dockerfile_installs_the_video_and_vllm_extras_on_a_cuda_base_and_runs_t
     base = next(rest for keyword, rest in instructions if keyword == "ARG" and rest.startswith("CUDA_IMAGE="))
     assert base.startswith("CUDA_IMAGE=nvidia/cuda:") and arguments["FROM"] == ["${CUDA_IMAGE}"]
     runs = " ".join(arguments["RUN"])
-    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in runs
+    torch_install = 'pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url '
+    assert torch_install + '"${TORCH_INDEX_URL}"' in runs
     assert 'pip install ".[video,vllm]"' in runs  # PyAV for video files; OpenCV for the vLLM producer's videos
     assert json.loads(arguments["ENTRYPOINT"][0]) == ["encode-server"]
     assert arguments["EXPOSE"] == ["30000"]
