@@ -257,6 +257,7 @@ class GenericAdapter(EncoderAdapter):
         self.filled: dict[str, torch.Tensor] = {}  # modality -> the token ids the model fills
         self.batchable: dict[str, bool] = {}  # modality -> whether items whose inputs join run as one forward
         self.layouts: OrderedDict[tuple, ItemLayout] = OrderedDict()
+        self._last_processed: tuple[Any, dict[str, Any]] | None = None
         parameters = inspect.signature(model.forward).parameters
         self.forward_inputs = {key for key, p in parameters.items()
                                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -318,6 +319,7 @@ class GenericAdapter(EncoderAdapter):
         layout = self.layouts.get(key)
         if layout is None:
             processed = self._process(modality, item, self.prompts[modality])
+            self._last_processed = (item, processed)  # `preprocess` of this same item (next, as a rule) reuses it
             tokens = int(self._positions(modality, processed["input_ids"]).numel())
             layout = ItemLayout(tokens=tokens, grid_thw=(1, 1, tokens))
             self.layouts[key] = layout
@@ -325,8 +327,15 @@ class GenericAdapter(EncoderAdapter):
                 self.layouts.popitem(last=False)
         return layout
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_last_processed": None}  # a worker's copy starts without another's item
+
     def _prepare_one(self, modality: str, item: Any) -> tuple[dict[str, Any], ItemLayout]:
-        processed = self._process(modality, item, self.prompts[modality])
+        last = self._last_processed
+        if last is not None and last[0] is item:
+            processed = last[1]
+        else:
+            processed = self._process(modality, item, self.prompts[modality])
         tokens = int(self._positions(modality, processed["input_ids"]).numel())
         if tokens == 0:
             raise ItemError(f"the processor inserted no {modality} placeholder for this item")
