@@ -90,9 +90,27 @@ class TextEmbedding(torch.nn.Module):
             return torch.zeros(shape, dtype=self.dtype, device=input_ids.device)
         return self.pattern_of(input_ids).to(self.dtype)
 
+    @property
+    def weight(self) -> EmbeddingRows:
+        """Rows of the stand-in table by index, for models that read `embed_tokens.weight[token_id]` (Gemma 4's
+        padding embedding) without holding the table."""
+        return EmbeddingRows(self)
+
     def pattern_of(self, input_ids: torch.Tensor) -> torch.Tensor:
         columns = torch.arange(self.hidden_size, dtype=torch.float64, device=input_ids.device)
         return torch.sin(input_ids.to(torch.float64)[..., None] * 0.731 + columns * 0.173 + 0.5) + 2.0
+
+
+class EmbeddingRows:
+    """`TextEmbedding.weight`: indexing it by token ids (then any columns) gives those ids' rows."""
+
+    def __init__(self, embedding: TextEmbedding) -> None:
+        self.embedding = embedding
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        ids, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        rows = self.embedding(torch.as_tensor(ids, dtype=torch.long))
+        return rows[(..., *rest)] if rest else rows
 
 
 class LanguageModelTrap(torch.nn.Module):
@@ -232,10 +250,11 @@ def placeholder_prompts(processor: Any, modality: str) -> list[str]:
             pass
     tokenizer = getattr(processor, "tokenizer", None)
     for source in (processor, tokenizer):
-        token = getattr(source, f"{modality}_token", None)
-        token = getattr(token, "content", token)  # an AddedToken
-        if isinstance(token, str) and token and token not in prompts:
-            prompts.append(token)
+        for name in (f"{modality}_token", f"{modality}_placeholder_token"):  # the latter: what a prompt holds
+            token = getattr(source, name, None)
+            token = getattr(token, "content", token)  # an AddedToken
+            if isinstance(token, str) and token and token not in prompts:
+                prompts.append(token)
     prompts.append("")  # processors that insert the placeholders themselves (e.g. before the text)
     return prompts
 

@@ -25,6 +25,10 @@ from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatc
 from .builtin import seeded
 from .family import Family
 
+#: What `InternVLProcessor` passes its image processor on every call (its `images_kwargs`), whatever the folder's
+#: image processor config says: the prefill side tiles every image, so the rows are per tile.
+FULL_PROCESSOR_CALL = {"crop_to_patches": True}
+
 
 def pixel_shuffle(features: torch.Tensor, scale_factor: float) -> torch.Tensor:
     """InternVL's pixel shuffle: `(B, W, H, C)` to `(B, W*s, H*s, C/s^2)`, as `transformers` does it."""
@@ -73,10 +77,11 @@ class InternVLAdapter(EncoderAdapter):
         if not isinstance(item, Image.Image):
             raise ItemError(f"expected an image, got {type(item).__name__}")
         width, height = item.size
-        return self._layout(int(self.image_processor.get_number_of_image_patches(height, width, {})))
+        return self._layout(int(self.image_processor.get_number_of_image_patches(height, width,
+                                                                                  dict(FULL_PROCESSOR_CALL))))
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        processed = self.image_processor(images=list(items), return_tensors="pt")
+        processed = self.image_processor(images=list(items), return_tensors="pt", **FULL_PROCESSOR_CALL)
         tiles = [int(n) for n in processed["num_patches"]]
         return PreparedBatch(modality=modality, layouts=[self._layout(n) for n in tiles],
                              inputs={"pixel_values": processed["pixel_values"]})

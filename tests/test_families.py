@@ -160,6 +160,27 @@ def test_internvl_folder_matches_get_image_features_in_tile_space(internvl_ckpt)
     assert rel_diff(got, internvl_reference(model, processor, images)) <= 1e-5
 
 
+def test_internvl_tiles_as_the_full_processor_does_whatever_the_image_processor_config_says(internvl_ckpt, tmp_path):
+    """`InternVLProcessor` calls its image processor with `crop_to_patches=True`: a folder whose image processor
+    config says false is still served per tile, as the prefill side counts it."""
+    import json
+    import shutil
+
+    _, _, folder = internvl_ckpt
+    untiled = tmp_path / "untiled"
+    shutil.copytree(folder, untiled)
+    config_path = untiled / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    config["crop_to_patches"] = False
+    config_path.write_text(json.dumps(config))
+    adapter = load_checkpoint(untiled, CPU, F32)
+    assert adapter.image_processor.crop_to_patches is False
+    wide = random_image(160, 50, 1)
+    expected = adapter.image_processor.get_number_of_image_patches(50, 160, {"crop_to_patches": True})
+    assert expected > 1 and adapter.item_layout("image", wide).grid_thw[0] == expected
+    assert adapter.preprocess("image", [wide]).layouts == [adapter.item_layout("image", wide)]
+
+
 def test_qwen2_audio_folder_matches_the_models_own_forward(audio_ckpt):
     model, extractor, folder = audio_ckpt
     adapter = load_checkpoint(folder, CPU, F32)

@@ -259,3 +259,15 @@ def test_features_added_to_the_text_embedding_are_refused(checkpoint):
             adapter.filled_tokens("image", adapter.prompts["image"])
     finally:
         handle.remove()
+
+
+def test_the_stand_in_embedding_tables_rows_by_index_are_its_rows():
+    """Gemma 4 reads `embed_tokens.weight[pad_token_id, :]`: the stand-in answers with its own row for that id."""
+    from processors.generic import TextEmbedding
+
+    embedding = TextEmbedding(8, torch.float32)
+    embedding.pattern = True
+    assert torch.equal(embedding.weight[5, :], embedding(torch.tensor(5)))
+    assert torch.equal(embedding.weight[[1, 2]], embedding(torch.tensor([1, 2])))
+    embedding.pattern = False
+    assert not embedding.weight[5, :].any()
