@@ -1,0 +1,71 @@
+"""Which model types the zoo covers, which are not applicable (and why), and the per-type build overrides.
+
+The types are the keys of transformers' image-text-to-text and multimodal-LM auto mappings. A type is "not
+applicable" when its model is not a decoder language model fed with encoder rows spliced into `inputs_embeds`
+at placeholder-token positions (what encode-server produces); each reason below was decided by reading the
+type's modeling code in transformers 5.23.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NOT_APPLICABLE: dict[str, str] = {
+    "blip": "text decoder cross-attends to the image embeddings (no placeholder splice)",
+    "git": "image features are concatenated in front of the text embeddings inside GitModel, no placeholder token",
+    "idefics": "gated cross-attention layers read the image features (no splice into inputs_embeds)",
+    "mllama": "cross-attention layers read the image features (no splice into inputs_embeds)",
+    "pi0": "a robot action policy (flow-matching action expert), not a language model fed with spliced rows",
+    "pix2struct": "encoder-decoder: image patches are the encoder's input",
+    "florence2": "encoder-decoder (BART): image features are concatenated into the encoder's input",
+    "udop": "encoder-decoder (T5) with layout embeddings",
+    "vision-encoder-decoder": "encoder-decoder: the image encoder's output is the decoder's cross-attention memory",
+    "pp_formulanet": "encoder-decoder: the decoder cross-attends to the image encoder",
+    "t5gemma2": "encoder-decoder: image rows are spliced into the encoder's input, not a decoder LM's prefill",
+    "kosmos-2": "image rows are placed by image_embeds_position_mask inside the text model, no placeholder token id",
+    "kosmos-2.5": "image rows are placed by image_embeds_position_mask inside the text model, no placeholder token id",
+    "evolla": "protein sequences (cross-attention to a protein encoder), no image or audio",
+    "kyutai_speech_to_text": ("streaming: audio codec tokens are embedded and summed at every text "
+                              "position, no placeholder"),
+    "voxtral_realtime": "streaming: audio embeddings are added to every text position (inputs_embeds += audio_embeds)",
+    "mistral4": "the mapped class (Mistral4ForCausalLM) is text-only: no image or audio input",
+}
+
+#: Types whose auto mapping names no processor: the processor class their Hub folders ship.
+PROCESSOR_OVERRIDES: dict[str, str] = {
+    "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",
+    "qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor",
+    "glm_ocr": "Glm46VProcessor",
+    "glmga": "Glm46VProcessor",
+    "fast_vlm": "LlavaProcessor",
+    "cosmos3_omni": "Qwen2_5_VLProcessor",
+}
+
+MODEL_CLASS_OVERRIDES: dict[str, str] = {}
+
+#: Per-type config overrides (nested dicts), on top of the generic shrink.
+CONFIG_EXTRA: dict[str, dict[str, Any]] = {}
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    return list(dict.fromkeys([*modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                               *modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES]))
+
+
+def model_class_name(model_type: str) -> str:
+    from transformers.models.auto import modeling_auto
+
+    return (modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.get(model_type)
+            or modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
+
+
+def processor_class_name(model_type: str) -> str | None:
+    from transformers.models.auto import processing_auto
+
+    return PROCESSOR_OVERRIDES.get(model_type) or processing_auto.PROCESSOR_MAPPING_NAMES.get(model_type)
+
+
+def config_extra(model_type: str) -> dict[str, Any]:
+    return CONFIG_EXTRA.get(model_type, {})
