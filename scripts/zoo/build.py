@@ -22,7 +22,7 @@ WORDS = ["describe", "this", "please", "what", "is", "in", "the", "image", "audi
          "system", "hello", "and", "a", "of", "transcribe", "text"]
 BASE_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 #: A token-looking literal in a processor's source: <...>, <|...|>, [UPPER_CASE], ▁-free and short.
-TOKEN_LITERAL = re.compile(r"""["'](<\|?[A-Za-z0-9_:/.\-| ]{1,40}\|?>|\[[A-Z][A-Z_]{1,30}\])["']""")
+TOKEN_LITERAL = re.compile(r"""["'](<\|?[A-Za-z0-9_:/.\-| ]{1,40}\|?>|\[[A-Z][A-Z_]{1,30}\]|\|[A-Z_]{2,30}\|)["']""")
 NAMED_ACCESS = re.compile(r"tokenizer\.(\w+_token)\b")
 #: Processor attribute names for each modality's placeholder token, in order of preference.
 MODALITY_TOKEN_NAMES = {"image": ("image_token", "image_pad_token", "img_token"),
@@ -73,6 +73,13 @@ def special_tokens(processor_class: type) -> tuple[list[str], dict[str, str]]:
             if name.endswith("_token") and isinstance(parameter.default, str) and name not in named:
                 named[name] = parameter.default
                 literals.append(parameter.default)
+    standard = {"pad_token", "bos_token", "eos_token", "unk_token", "sep_token", "cls_token", "mask_token"}
+    invent = "AddedToken(" not in source  # a processor that adds its own token when the tokenizer lacks it
+    for line in source.splitlines() if invent else ():  # read from the tokenizer, no literal: a token of our own
+        for name in NAMED_ACCESS.findall(line):
+            if name not in named and name not in standard:
+                named[name] = f"<|{name.removesuffix('_token')}|>"
+                literals.append(named[name])
     literals = [t for t in dict.fromkeys(literals) if t not in BASE_TOKENS]
     return literals, named
 
@@ -172,7 +179,7 @@ def settings_from_config(processor_class: type, config: Any, given: dict[str, An
                 vision = getattr(config, "vision_config", None)
                 out[name] = 1 if getattr(vision, "model_type", "") == "clip_vision_model" else 0
                 continue
-            if name in given or name in out or parameter.default is not None:
+            if name in given or name in out or parameter.default is not None and name not in SETTING_SYNONYMS:
                 continue
             for source in SETTING_SYNONYMS.get(name, (name,)):
                 if values.get(source) is not None:
@@ -195,9 +202,15 @@ def audio_geometry(extractor_class: type, config: Any) -> dict[str, Any]:
 
 
 def match_image_size(image_processor: Any, config: Any) -> None:
-    """A fixed-size image processor resized to the vision tower's `image_size`, as a Hub folder pairs them (some
-    types' default image processor and default config disagree)."""
+    """A fixed-size image processor resized to the vision tower's `image_size`, and its patch, merge and temporal
+    patch sizes set to the tower's, as a Hub folder pairs them (some types' defaults disagree)."""
     vision = getattr(config, "vision_config", None)
+    for attribute, sources in (("patch_size", ("patch_size",)), ("merge_size", ("spatial_merge_size", "merge_size")),
+                               ("temporal_patch_size", ("temporal_patch_size",))):
+        current = getattr(image_processor, attribute, None)
+        wanted = next((getattr(vision, s) for s in sources if isinstance(getattr(vision, s, None), int)), None)
+        if isinstance(current, int) and wanted is not None and current != wanted:
+            setattr(image_processor, attribute, wanted)
     size = getattr(vision, "image_size", None)
     if not isinstance(size, int):
         return
@@ -235,7 +248,7 @@ def build_processor(model_type: str, config: Any):
             raise Unbuildable(f"no default {attribute} class for {model_type}")
         kwargs[attribute] = klass(**audio_geometry(klass, config)) if attribute in ("feature_extractor",
                                                                                  "audio_processor") else klass()
-        if attribute == "image_processor":
+        if attribute in ("image_processor", "video_processor"):
             match_image_size(kwargs[attribute], config)
     kwargs.update(settings_from_config(processor_class, config, kwargs))
     try:
@@ -246,10 +259,22 @@ def build_processor(model_type: str, config: Any):
     return processor, tokenizer
 
 
+def token_number(processor: Any, tokenizer: Any, prefix: str) -> int | None:
+    """The id the processor itself gives this token (`image_token_id`: for Gemma 3 the filled soft token, while
+    its `image_token` is the begin-of-image token a prompt holds), else the id of its string."""
+    for candidate in SYNONYMS.get(prefix, (prefix,)):
+        value = getattr(processor, f"{candidate}_token_id", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    text = token_string(processor, tokenizer, prefix)
+    return tokenizer.get_vocab().get(text) if text is not None else None
+
+
 def token_string(processor: Any, tokenizer: Any, prefix: str) -> str | None:
     for candidate in SYNONYMS.get(prefix, (prefix,)):
         for holder in (processor, tokenizer):
             value = getattr(holder, f"{candidate}_token", None)
+            value = getattr(value, "content", value)  # an AddedToken
             if isinstance(value, str) and value:
                 return value
     return None
@@ -259,15 +284,21 @@ def align_token_ids(config: Any, processor: Any, tokenizer: Any) -> dict[str, in
     """Set every placeholder/boundary token id of the config to the tokenizer's id for that token; ids the
     tokenizer has no token for and that fall outside the tiny vocabulary get spare ids. Returns what was set."""
     vocab = tokenizer.get_vocab()
+    for modality in MODALITY_TOKEN_NAMES:  # placeholder ids a config leaves unset (None)
+        number = token_number(processor, tokenizer, modality)
+        for holder in (config, getattr(config, "thinker_config", None)):
+            for key in (f"{modality}_token_id", f"{modality}_token_index"):
+                if holder is not None and key in vars(holder) and getattr(holder, key) is None and number is not None:
+                    setattr(holder, key, number)
     spare = iter(range(shrink.VOCAB - 1, len(vocab), -1))
     assigned: dict[str, int] = {}
     for path, value in shrink.token_id_attributes(config).items():
         key = path.rsplit(".", 1)[-1]
         prefix = re.sub(r"(_token_id|_token_index|_token_ids|_index|_id)$", "", key)
-        text = token_string(processor, tokenizer, prefix)
+        number = token_number(processor, tokenizer, prefix)
         new: Any = value
-        if text is not None and text in vocab:
-            new = vocab[text] if not isinstance(value, list) else [vocab[text]]
+        if number is not None:
+            new = number if not isinstance(value, list) else [number]
         elif isinstance(value, list):
             new = [v if v < shrink.VOCAB else next(spare) for v in value]
         elif value >= shrink.VOCAB or value < 0 and key.endswith(("token_id", "token_index")) and False:
@@ -291,8 +322,10 @@ def modality_token_ids(config: Any, processor: Any, tokenizer: Any) -> dict[str,
             continue
         for name in names:
             text = getattr(processor, name, None) or getattr(tokenizer, name, None)
+            text = getattr(text, "content", text)  # an AddedToken
             if isinstance(text, str) and text in vocab:
-                out[modality] = (text, vocab[text])
+                number = getattr(processor, f"{name}_id", None)
+                out[modality] = (text, number if isinstance(number, int) else vocab[text])
                 break
     return out
 

@@ -44,7 +44,22 @@ PROCESSOR_OVERRIDES: dict[str, str] = {
 MODEL_CLASS_OVERRIDES: dict[str, str] = {}
 
 #: Per-type config overrides (nested dicts), on top of the generic shrink.
-CONFIG_EXTRA: dict[str, dict[str, Any]] = {}
+_GLM_TEXT = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}}}
+#: Gemma 3's SigLIP at 224 pixels, patches of 14 average-pooled to 4x4 (its default tower, 224/16, cannot pool).
+_GEMMA3 = {"vision_config": {"image_size": 224, "patch_size": 14}, "mm_tokens_per_image": 16}
+#: Qwen2-VL-style text models read a default mrope section [16, 24, 24] the shrink must rescale.
+_QWEN_MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                                   "mrope_section": [16, 24, 24]}}}
+CONFIG_EXTRA: dict[str, dict[str, Any]] = {
+    "glm4v": _GLM_TEXT, "glm4v_moe": _GLM_TEXT, "glm46v": _GLM_TEXT, "glm_ocr": _GLM_TEXT, "glmga": _GLM_TEXT,
+    "gemma3": _GEMMA3, "shieldgemma2": _GEMMA3,
+    # Idefics3's published tower: 364 pixels in patches of 14, pixel-shuffled 2x2 (its default, 224/32, cannot)
+    # Qwen2-VL's tower names its output width `hidden_size` (the text's); its defaults disagree (3584 vs 8192)
+    "qwen2_vl": {"vision_config": {"hidden_size": "TEXT_HIDDEN"}, **_QWEN_MROPE},
+    "qwen2_5_vl": _QWEN_MROPE,
+    "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
+}
 
 
 def model_types() -> list[str]:

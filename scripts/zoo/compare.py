@@ -88,11 +88,43 @@ class EmbedsGrabber:
 
 def processor_inputs(processor: Any, modality: str, token: str, item: Any, rate: int) -> dict:
     text = f"describe {token}"
+    extra = {"return_mm_token_type_ids": True} if "mm_token_type_ids" in getattr(processor, "model_input_names",
+                                                                                 ()) else {}
     if modality == "image":
-        return processor(text=[text], images=[item], return_tensors="pt")
+        return processor(text=[text], images=[item], return_tensors="pt", **extra)
     if modality == "audio":
-        return processor(text=[text], audio=[item], sampling_rate=rate, return_tensors="pt")
+        return processor(text=[text], audio=[item], sampling_rate=rate, return_tensors="pt", **extra)
     raise ValueError(modality)
+
+
+#: Processor attributes naming what a prompt holds for one item, when it is not the token the rows fill
+#: (Gemma 3 expands its begin-of-image token); "" is a prompt with no token (the processor adds it, Fuyu).
+PROMPT_TOKENS = {"image": ("boi_token", "start_image_token", "image_start_token"), "audio": ("boa_token",
+                                                                                              "audio_start_token")}
+
+
+def prompt_candidates(processor: Any, modality: str, token: str) -> list[str]:
+    found = [token]
+    for name in PROMPT_TOKENS[modality]:
+        value = getattr(processor, name, None)
+        value = getattr(value, "content", value)
+        if isinstance(value, str) and value and value not in found:
+            found.append(value)
+    return found + [""]
+
+
+def reference_all(model: Any, processor: Any, modality: str, token: str, token_id: int, items: list[Any],
+                  rate: int) -> list[torch.Tensor]:
+    """The reference rows of each item, with the first prompt form under which the full model runs."""
+    failure: Exception | None = None
+    for prompt in prompt_candidates(processor, modality, token):
+        try:
+            return [reference_rows(model, processor, modality, prompt, token_id, item, rate) for item in items]
+        except NotSpliced:
+            raise
+        except Exception as exc:  # noqa: BLE001 (try the next prompt form; the first failure is reported)
+            failure = failure or exc
+    raise failure
 
 
 def reference_rows(model: Any, processor: Any, modality: str, token: str, token_id: int, item: Any,
@@ -199,8 +231,8 @@ def run_type(model_type: str, work: Path) -> list[dict]:
     out = []
     for modality, (token, token_id) in tokens.items():
         try:
-            references[modality] = [reference_rows(model, processor, modality, token, token_id, item, rate)
-                                    for item in items[modality]]
+            references[modality] = reference_all(model, processor, modality, token, token_id, items[modality],
+                                                 rate)
         except NotSpliced as exc:
             out.append(result(modality, "not applicable", str(exc)))
         except Exception as exc:  # noqa: BLE001

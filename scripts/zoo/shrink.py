@@ -38,7 +38,7 @@ SMALL_KEYS = {"n_group": 1, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 
               "linear_value_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16}
 TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "_id")
 
-WIDTH_LADDER = (32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+WIDTH_LADDER = (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 272, 288)
 DEPTH = 2
 HEADS = 2
 VOCAB = 320
@@ -126,14 +126,11 @@ def shrink_overrides(config: Any, widths: dict[int, int]) -> dict[str, Any]:
     heads = out.get("num_attention_heads", out.get("num_heads", attrs.get("num_attention_heads")))
     if isinstance(attrs.get("head_dim"), int) and isinstance(hidden, int) and isinstance(heads, int) and heads:
         out["head_dim"] = max(16, hidden // heads)
-    head_dim = out.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                       and heads else None)
-    rope = attrs.get("rope_parameters") or attrs.get("rope_scaling")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and head_dim:
-        rope = copy.deepcopy(rope)
-        partial = float(rope.get("partial_rotary_factor", attrs.get("partial_rotary_factor", 1.0)) or 1.0)
-        rope["mrope_section"] = scale_section(rope["mrope_section"], int(head_dim * partial) // 2)
-        out["rope_parameters" if "rope_parameters" in attrs else "rope_scaling"] = rope
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(attrs.get(key), dict) and isinstance(attrs[key].get("mrope_section"), list):
+            out[key] = copy.deepcopy(attrs[key])
+    out["_defaults"] = {"hidden_size": attrs.get("hidden_size"), "head_dim": attrs.get("head_dim"),
+                        "partial_rotary_factor": attrs.get("partial_rotary_factor")}
     depth = out.get("depth", out.get("num_hidden_layers"))
     for key in ("deepstack_visual_indexes", "fullatt_block_indexes", "out_indices", "intermediate_layers_indices"):
         value = attrs.get(key)
@@ -151,6 +148,24 @@ def shrink_overrides(config: Any, widths: dict[int, int]) -> dict[str, Any]:
     return out
 
 
+def fix_mrope(overrides: dict[str, Any]) -> None:
+    """Every mrope section rescaled to the shrunk head size (it splits half the rotary dims by axis)."""
+    defaults = overrides.pop("_defaults", {})
+    for value in overrides.values():
+        if isinstance(value, dict):
+            fix_mrope(value)
+    hidden = overrides.get("hidden_size", defaults.get("hidden_size"))
+    heads = overrides.get("num_attention_heads", overrides.get("num_heads"))
+    head_dim = overrides.get("head_dim") or defaults.get("head_dim") or (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = overrides.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and head_dim:
+            partial = float(rope.get("partial_rotary_factor") or overrides.get("partial_rotary_factor")
+                            or defaults.get("partial_rotary_factor") or 1.0)
+            rope["mrope_section"] = scale_section(rope["mrope_section"], int(head_dim * partial) // 2)
+
+
 def nested_update(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
@@ -160,12 +175,37 @@ def nested_update(base: dict, extra: dict) -> dict:
     return base
 
 
+#: Widths of a tower's output that its language model takes as they are: the text hidden size.
+TO_TEXT_KEYS = {"out_hidden_size", "text_hidden_size", "llm_dim", "output_hidden_size", "projector_output_dim"}
+
+
+def text_hidden(config: Any) -> int | None:
+    for holder in (config, getattr(config, "thinker_config", None)):
+        text = getattr(holder, "text_config", None)
+        if text is not None and isinstance(getattr(text, "hidden_size", None), int):
+            return text.hidden_size
+    return getattr(config, "hidden_size", None) if isinstance(getattr(config, "hidden_size", None), int) else None
+
+
+def outputs_to_text(overrides: dict[str, Any], hidden: int, is_text: bool = False) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            outputs_to_text(value, hidden, key == "text_config")
+        elif key in TO_TEXT_KEYS and not is_text or value == "TEXT_HIDDEN":
+            overrides[key] = hidden
+
+
 def tiny_config(config_class: type, extra: dict | None = None) -> Any:
     """The config class's defaults, shrunk, with `extra` (per-type overrides, nested dicts) on top."""
     default = config_class()
-    overrides = shrink_overrides(default, width_map(default))
+    widths = width_map(default)
+    overrides = shrink_overrides(default, widths)
     if extra:
         nested_update(overrides, copy.deepcopy(extra))
+    hidden = text_hidden(default)
+    if hidden in widths:
+        outputs_to_text(overrides, widths[hidden])
+    fix_mrope(overrides)
     return config_class(**overrides)
 
 
