@@ -263,9 +263,10 @@ def token_number(processor: Any, tokenizer: Any, prefix: str) -> int | None:
     """The id the processor itself gives this token (`image_token_id`: for Gemma 3 the filled soft token, while
     its `image_token` is the begin-of-image token a prompt holds), else the id of its string."""
     for candidate in SYNONYMS.get(prefix, (prefix,)):
-        value = getattr(processor, f"{candidate}_token_id", None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        for holder in (tokenizer, processor):  # the tokenizer's named token first: Gemma 3's processor says boi
+            value = getattr(holder, f"{candidate}_token_id", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
     text = token_string(processor, tokenizer, prefix)
     return tokenizer.get_vocab().get(text) if text is not None else None
 
@@ -324,7 +325,7 @@ def modality_token_ids(config: Any, processor: Any, tokenizer: Any) -> dict[str,
             text = getattr(processor, name, None) or getattr(tokenizer, name, None)
             text = getattr(text, "content", text)  # an AddedToken
             if isinstance(text, str) and text in vocab:
-                number = getattr(processor, f"{name}_id", None)
+                number = token_number(processor, tokenizer, modality)
                 out[modality] = (text, number if isinstance(number, int) else vocab[text])
                 break
     return out

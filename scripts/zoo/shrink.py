@@ -176,7 +176,8 @@ def nested_update(base: dict, extra: dict) -> dict:
 
 
 #: Widths of a tower's output that its language model takes as they are: the text hidden size.
-TO_TEXT_KEYS = {"out_hidden_size", "text_hidden_size", "llm_dim", "output_hidden_size", "projector_output_dim"}
+TO_TEXT_KEYS = {"output_dim", "out_hidden_size", "text_hidden_size", "llm_dim", "output_hidden_size",
+                "projector_output_dim"}
 
 
 def text_hidden(config: Any) -> int | None:
