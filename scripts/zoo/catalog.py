@@ -58,6 +58,8 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     # Qwen2-VL's tower names its output width `hidden_size` (the text's); its defaults disagree (3584 vs 8192)
     "qwen2_vl": {"vision_config": {"hidden_size": "TEXT_HIDDEN"}, **_QWEN_MROPE},
     "qwen2_5_vl": _QWEN_MROPE,
+    # the thinker only: the talker and its speaker files are not part of what encode-server serves
+    "qwen2_5_omni": {"enable_audio_output": False}, "qwen3_omni_moe": {"enable_audio_output": False},
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
 }
 

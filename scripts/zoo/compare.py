@@ -72,6 +72,17 @@ class EmbedsGrabber:
                 continue
             if "inputs_embeds" in parameters and ("past_key_values" in parameters or "use_cache" in parameters):
                 self.handles.append(module.register_forward_pre_hook(self.hook(name), with_kwargs=True))
+            elif name.endswith("layers.0") and "hidden_states" in parameters:  # a decoder that embeds inside
+                self.handles.append(module.register_forward_pre_hook(self.first_layer(name), with_kwargs=True))
+        self.fallback, self.fallback_where = None, None
+
+    def first_layer(self, name: str):
+        def grab(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if self.fallback is None and isinstance(hidden, torch.Tensor) and hidden.ndim == 3 \
+                    and hidden.shape[1] == self.length:
+                self.fallback, self.fallback_where = hidden.detach().clone(), name
+        return grab
 
     def hook(self, name: str):
         def grab(module, args, kwargs):
@@ -137,6 +148,8 @@ def reference_rows(model: Any, processor: Any, modality: str, token: str, token_
             model(**inputs)
     finally:
         grabber.remove()
+    if grabber.found is None and grabber.fallback is not None:  # its first decoder layer's input instead
+        grabber.found, grabber.where = grabber.fallback, grabber.fallback_where
     if grabber.found is None:
         raise RuntimeError("no submodule received inputs_embeds of the prompt's length")
     mask = ids[0] == token_id
@@ -147,6 +160,23 @@ def reference_rows(model: Any, processor: Any, modality: str, token: str, token_
     if plain is not None and plain.shape == rows.shape and torch.equal(plain.to(rows.dtype), rows):
         raise NotSpliced(f"the decoder ({grabber.where}) receives the placeholder's own embedding: nothing spliced")
     return rows.float()
+
+
+def load_reference_model(model_class: type, folder: Path) -> torch.nn.Module:
+    """`from_pretrained`; where that asks for files beyond the weights (Qwen2.5-Omni's speaker dictionary, for
+    a talker not built here), the model from its config with the folder's safetensors loaded strictly."""
+    try:
+        return model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    except OSError:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        model = model_class(AutoConfig.from_pretrained(folder)).float().eval()
+        state = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(str(path)))
+        model.load_state_dict(state, strict=True)
+        return model
 
 
 class NotSpliced(Exception):
@@ -220,7 +250,7 @@ def run_type(model_type: str, work: Path) -> list[dict]:
     from transformers import AutoProcessor
 
     try:
-        model = getattr(transformers, manifest["model_class"]).from_pretrained(folder, dtype=torch.float32).eval()
+        model = load_reference_model(getattr(transformers, manifest["model_class"]), folder)
         processor = AutoProcessor.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
