@@ -12,9 +12,8 @@ import pytest
 
 from .helpers import ROOT
 
-pytestmark = pytest.mark.slow  # builds and runs three tiny models in subprocesses (about a minute on 2 cores)
 
-
+@pytest.mark.slow  # builds and runs three tiny models in subprocesses (about a minute on 2 cores)
 def test_model_zoo_reports_served_refused_and_not_applicable_types(tmp_path):
     out = tmp_path / "zoo.json"
     done = subprocess.run([sys.executable, "-m", "scripts.model_zoo", "--work", str(tmp_path / "work"),
