@@ -383,6 +383,7 @@ class EncoderService:
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
                       "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,
                       "row_widths": {modality: info.row_width_of(modality) for modality in info.modalities},
+                      **({"placeholder_tokens": info.placeholder_tokens} if info.placeholder_tokens else {}),
                       "device": str(self.adapter.device),
                       "dtype": DTYPE_NAMES[self.adapter.dtype]},
             "ranks": self.group.ranks() if self.group else [{"rank": 0, "pid": os.getpid(), "role": "tp",

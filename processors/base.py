@@ -102,6 +102,8 @@ class ModelInfo:
     #: The modalities whose rows carry those blocks; None: every modality. Qwen3-Omni's image and video rows
     #: carry them, its audio rows (another tower) are `[tokens, hidden_size]`.
     deepstack_modalities: tuple[str, ...] | None = None
+    #: Modality -> the tokens whose positions the rows fill, where the family measures them (the generic path).
+    placeholder_tokens: dict[str, list[str]] | None = field(default=None, compare=False, hash=False)
 
     @property
     def row_width(self) -> int:

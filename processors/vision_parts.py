@@ -103,9 +103,15 @@ def _shown(keys: Any) -> str:
 
 def load_vision_part(folder: Path, model_class: type, config: Any, device: torch.device,
                      dtype: torch.dtype) -> torch.nn.Module:
-    """The base model without its language model, filled from the folder's safetensors, on `device`.
+    """The base model without its language model, filled from the folder's safetensors, on `device`."""
+    return load_model_part(folder, build_without_language_model(model_class, config, dtype), device)
 
-    Only the encoder's checkpoint tensors are read (one `read_tensors` call, so `encoder_keys_of` learns
+
+def load_model_part(folder: Path, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A model built on the meta device with the parts it does not need removed, filled from the folder's
+    safetensors, on `device`.
+
+    Only the kept modules' checkpoint tensors are read (one `read_tensors` call, so `encoder_keys_of` learns
     them), then they go through `transformers`' own loading step (`convert_and_load_state_dict_in_model`,
     with the model's conversion mapping), converted exactly as `from_pretrained` converts them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -113,7 +119,6 @@ def load_vision_part(folder: Path, model_class: type, config: Any, device: torch
     from transformers.modeling_utils import LoadStateDictConfig
     from transformers.utils import logging as transformers_logging
 
-    model = build_without_language_model(model_class, config, dtype)
     files = _shard_files(folder)
     keys, filled = _checkpoint_plan(model, files)
     persistent = set(model.state_dict())

@@ -60,7 +60,10 @@ def spliced_rows(model, inputs: dict, image_token_id: int) -> torch.Tensor:
     def grab(module, args, kwargs):
         captured["embeds"] = kwargs["inputs_embeds"]
 
-    handle = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    decoders = [name for name, _ in model.named_modules()
+                if name.rpartition(".")[2] in ("language_model", "text_model")]
+    decoder = model.get_submodule(min(decoders, key=lambda name: name.count(".")))
+    handle = decoder.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.no_grad():
             model(**inputs)

@@ -55,7 +55,13 @@ def test_fused_items_equal_get_image_features_alone(checkpoint):
     items = images()
     batch = adapter.preprocess("image", items)
     assert batch.layouts == [adapter.item_layout("image", image) for image in items]
-    fused = adapter.forward(batch)
+    calls = []
+    handle = adapter.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        fused = adapter.forward(batch)
+    finally:
+        handle.remove()
+    assert adapter.batchable == {"image": True} and len(calls) == 1  # LLaVA's inputs join: one forward
     alone = []
     for image in items:
         with torch.no_grad():
@@ -87,18 +93,21 @@ def test_collate_joins_per_item_batches_in_order(checkpoint):
 def test_a_processor_that_miscounts_its_own_tokens_is_refused(checkpoint, tmp_path):
     """num_additional_image_tokens=0 with a CLIP class token: the processor inserts 15 tokens, the model gives 16."""
     _, folder = llava_checkpoint(tmp_path / "miscount", num_additional_image_tokens=0)
-    with pytest.raises(CheckpointError, match="cannot be counted exactly"):
+    with pytest.raises(CheckpointError, match="no modality can be served exactly.*image: the model's forward fails"):
         generic_from_folder(folder, CPU, F32)
 
 
-@pytest.mark.parametrize("build, reason", [
-    (llama_checkpoint, "LlamaModel has no get_image_features"),
-    (blip2_checkpoint, "Blip2Processor has no _get_num_multimodal_tokens"),
-], ids=["text-only", "no-token-count"])
-def test_models_whose_rows_cannot_be_counted_are_refused_naming_why(build, reason, tmp_path):
-    result = build(tmp_path / "model")
-    folder = result[1] if isinstance(result, tuple) else result
-    with pytest.raises(CheckpointError, match=reason):
+def test_a_text_only_model_is_refused_naming_why(tmp_path):
+    folder = llama_checkpoint(tmp_path / "model")
+    with pytest.raises(CheckpointError, match="'llama' is not a multimodal model"):
+        generic_from_folder(folder, CPU, F32)
+
+
+def test_a_processor_that_fails_on_its_own_checkpoint_is_refused_naming_it(tmp_path):
+    """This BLIP-2 folder's processor raises on every prompt (its image token is a plain string where the processor
+    expects an AddedToken): nothing can be counted, and the refusal says where it failed."""
+    _, folder = blip2_checkpoint(tmp_path / "model")
+    with pytest.raises(CheckpointError, match="image: its processor fails on a probe .AttributeError"):
         generic_from_folder(folder, CPU, F32)
 
 
@@ -132,3 +141,93 @@ def test_a_model_type_transformers_does_not_know_is_refused(checkpoint, tmp_path
     (folder / "config.json").write_text(json.dumps({"model_type": "no_such_vlm"}))
     with pytest.raises(CheckpointError, match="no_such_vlm"):
         load_checkpoint(folder, CPU, F32)
+
+
+def test_audio_is_served_by_the_generic_path_framing_excluded(tmp_path):
+    """A Qwen2-Audio folder loaded through the generic path (not its family): the rows are what the full model
+    splices at its <|AUDIO|> tokens; the chat template's <|audio_bos|>/<|audio_eos|> framing is not counted."""
+    import numpy as np
+
+    from .checkpoints import qwen2_audio_checkpoint, qwen2_audio_full_processor
+
+    model, extractor, folder = qwen2_audio_checkpoint(tmp_path / "model")
+    full = qwen2_audio_full_processor(extractor)
+    full.save_pretrained(folder)
+    model.config.audio_token_id = full.tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    model.save_pretrained(folder)
+    adapter = generic_from_folder(folder, CPU, F32)
+    assert adapter.info.modalities == ("audio",) and adapter.info.placeholder_tokens == {"audio": ["<|AUDIO|>"]}
+    waves = [(np.random.default_rng(n).standard_normal(n) * 0.1).astype(np.float32) for n in (8000, 21000)]
+    fused = adapter.forward(adapter.preprocess("audio", waves))
+    expected = []
+    for wave in waves:
+        inputs = full(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[wave], sampling_rate=8000,
+                      return_tensors="pt")
+        expected.append(spliced_rows(model, inputs, model.config.audio_token_id))
+        assert adapter.item_layout("audio", wave).tokens == expected[-1].shape[0]
+    assert [layout.tokens for layout in adapter.preprocess("audio", waves).layouts] == [25, 66]
+    assert rel_diff(fused, torch.cat(expected)) <= 1e-5
+
+
+def test_a_server_on_a_generic_folder_answers_with_the_adapters_rows_through_a_preprocessing_worker(checkpoint):
+    """The adapter pickled into a preprocessing worker counts and prepares items as in-process; `/server_info`
+    names the tokens the rows fill."""
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+    import numpy as np
+
+    from .helpers import ServerProcess
+
+    _, folder, _, adapter = checkpoint
+    items = images()
+    want = [adapter.forward(adapter.preprocess("image", [image])) for image in items]
+
+    def png_b64(image) -> str:
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    async def send(url: str):
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(url + "/encode", json={
+                "req_id": f"r{index}", "modality": "image", "return_embedding": True, "mm_items": [png_b64(image)]})
+                for index, image in enumerate(items)))
+
+    with ServerProcess("--model", str(folder), "--preprocess-workers", "1") as server:
+        info = httpx.get(server.url + "/server_info").json()
+        responses = asyncio.run(send(server.url))
+    assert info["model"]["family"] == "llava" and info["model"]["placeholder_tokens"] == {"image": ["<image>"]}
+    for response, rows in zip(responses, want, strict=True):
+        assert response.status_code == 200, response.text
+        body = response.json()
+        got = np.frombuffer(base64.b64decode(body["embedding"]), "<f4").reshape(body["embedding_shape"])
+        assert got.shape == tuple(rows.shape) and rel_diff(got, rows) <= 1e-6
+
+
+def test_video_is_served_by_the_generic_path_with_the_frames_as_sampled(tmp_path):
+    """A LLaVA-OneVision folder loaded through the generic path (not its family), its video processor saved:
+    a clip's rows are what the full model splices at its <video> tokens for those frames (no resampling)."""
+    import numpy as np
+    from transformers import AutoProcessor, LlavaOnevisionVideoProcessor
+
+    from processors.video_clip import VideoClip
+
+    pytest.importorskip("torchvision", reason="LLaVA-OneVision's video processor needs torchvision")
+    model, folder = llava_onevision_checkpoint(tmp_path / "model")
+    LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28}).save_pretrained(folder)
+    adapter = generic_from_folder(folder, CPU, F32)
+    assert adapter.info.modalities == ("image", "video")
+    clips = [VideoClip([random_image(40, 30, 10 * n + i) for i in range(frames)], 2.0, range(0, 2 * frames, 2))
+             for n, frames in enumerate((4, 6))]
+    fused = adapter.forward(adapter.preprocess("video", clips))
+    full = AutoProcessor.from_pretrained(folder)
+    expected = []
+    for clip in clips:
+        inputs = full(text=["<video>"], videos=[[np.asarray(frame) for frame in clip]], do_sample_frames=False,
+                      return_tensors="pt")
+        expected.append(spliced_rows(model, inputs, model.config.video_token_id))
+        assert adapter.item_layout("video", clip).tokens == expected[-1].shape[0]
+    assert rel_diff(fused, torch.cat(expected)) <= 1e-5
