@@ -331,6 +331,13 @@ def modality_token_ids(config: Any, processor: Any, tokenizer: Any) -> dict[str,
     return out
 
 
+def set_dtype(config: Any, dtype: torch.dtype) -> None:
+    """The dtype of the config and every sub-config (Llama 4's defaults leave its towers in bfloat16)."""
+    config.dtype = dtype
+    for name in shrink.sub_config_names(config):
+        set_dtype(getattr(config, name), dtype)
+
+
 def randomize_zero_weights(model: torch.nn.Module) -> None:
     """Give zero-initialised matrices (some projections start at zero) values a comparison can see."""
     generator = torch.Generator().manual_seed(1234)
@@ -353,7 +360,7 @@ def build(model_type: str, folder: Path, seed: int = 0) -> dict[str, Any]:
     processor, tokenizer = build_processor(model_type, config)
     assigned = align_token_ids(config, processor, tokenizer)
     tokens = modality_token_ids(config, processor, tokenizer)
-    config.dtype = torch.float32
+    set_dtype(config, torch.float32)
     model_class = getattr(transformers, MODEL_CLASS_OVERRIDES.get(model_type) or model_class_name(model_type))
     torch.manual_seed(seed)
     try:

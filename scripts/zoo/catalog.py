@@ -51,6 +51,13 @@ _GEMMA3 = {"vision_config": {"image_size": 224, "patch_size": 14}, "mm_tokens_pe
 #: Qwen2-VL-style text models read a default mrope section [16, 24, 24] the shrink must rescale.
 _QWEN_MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                                    "mrope_section": [16, 24, 24]}}}
+
+
+def _omni_rope(section: list[int]) -> dict[str, Any]:
+    return {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                                "mrope_section": section}}}
+
+
 CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "glm4v": _GLM_TEXT, "glm4v_moe": _GLM_TEXT, "glm46v": _GLM_TEXT, "glm_ocr": _GLM_TEXT, "glmga": _GLM_TEXT,
     "gemma3": _GEMMA3, "shieldgemma2": _GEMMA3,
@@ -59,8 +66,19 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"vision_config": {"hidden_size": "TEXT_HIDDEN"}, **_QWEN_MROPE},
     "qwen2_5_vl": _QWEN_MROPE,
     # the thinker only: the talker and its speaker files are not part of what encode-server serves
-    "qwen2_5_omni": {"enable_audio_output": False}, "qwen3_omni_moe": {"enable_audio_output": False},
+    # (a Hub folder's thinker config names its vision-start id, which its rope index reads; the class has no default)
+    # and its text config the mrope section the modeling code defaults to, rescaled by the shrink)
+    "qwen2_5_omni": {"enable_audio_output": False, "thinker_config": {"vision_start_token_id": 151652,
+                                                                      **_omni_rope([16, 24, 24])}},
+    "qwen3_omni_moe": {"enable_audio_output": False, "thinker_config": {"vision_start_token_id": 151652,
+                                                                        **_omni_rope([24, 20, 20])}},
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, **_omni_rope([16, 24, 24])},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, **_omni_rope([24, 20, 20])},
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
+    # Llama 4's pixel shuffle (ratio 0.5) makes 4x the tower width (`intermediate_size`), its MLP maps that to
+    # projector_input_dim = projector_output_dim = vision_output_dim, what the projector reads
+    "llama4": {"vision_config": {"hidden_size": 64, "intermediate_size": 256, "projector_input_dim": 96,
+                                 "projector_output_dim": 96, "vision_output_dim": 96}},
 }
 
 

@@ -141,11 +141,16 @@ def reference_all(model: Any, processor: Any, modality: str, token: str, token_i
 def reference_rows(model: Any, processor: Any, modality: str, token: str, token_id: int, item: Any,
                    rate: int) -> torch.Tensor:
     inputs = processor_inputs(processor, modality, token, item, rate)
+    dtype = next(model.parameters()).dtype  # as a caller casts them (Llama 4's processor gives bfloat16 pixels)
+    inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in inputs.items()}
     ids = inputs["input_ids"]
     grabber = EmbedsGrabber(model, ids.shape[1])
+    # an Omni model's top level only generates (no forward): its thinker is the model that reads the media
+    runner = model.thinker if type(model).forward is torch.nn.Module.forward and hasattr(model, "thinker") else model
     try:
         with torch.no_grad():
-            model(**inputs)
+            runner(**inputs)
     finally:
         grabber.remove()
     if grabber.found is None and grabber.fallback is not None:  # its first decoder layer's input instead
@@ -156,7 +161,8 @@ def reference_rows(model: Any, processor: Any, modality: str, token: str, token_
     if not mask.any():
         raise RuntimeError(f"the processor put no {token!r} (id {token_id}) in the prompt")
     rows = grabber.found[0][mask]
-    plain = model.get_input_embeddings()(ids[0][mask]) if model.get_input_embeddings() is not None else None
+    embedding = runner.get_input_embeddings()
+    plain = embedding(ids[0][mask]) if embedding is not None else None
     if plain is not None and plain.shape == rows.shape and torch.equal(plain.to(rows.dtype), rows):
         raise NotSpliced(f"the decoder ({grabber.where}) receives the placeholder's own embedding: nothing spliced")
     return rows.float()
@@ -164,19 +170,13 @@ def reference_rows(model: Any, processor: Any, modality: str, token: str, token_
 
 def load_reference_model(model_class: type, folder: Path) -> torch.nn.Module:
     """`from_pretrained`; where that asks for files beyond the weights (Qwen2.5-Omni's speaker dictionary, for
-    a talker not built here), the model from its config with the folder's safetensors loaded strictly."""
+    a talker not built here), `PreTrainedModel.from_pretrained` for the class (the weights, no extra files)."""
     try:
         return model_class.from_pretrained(folder, dtype=torch.float32).eval()
-    except OSError:
-        from safetensors.torch import load_file
-        from transformers import AutoConfig
+    except OSError:  # the generic loader (key renames included), without the class's extra files
+        from transformers import PreTrainedModel
 
-        model = model_class(AutoConfig.from_pretrained(folder)).float().eval()
-        state = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(str(path)))
-        model.load_state_dict(state, strict=True)
-        return model
+        return PreTrainedModel.from_pretrained.__func__(model_class, folder, dtype=torch.float32).eval()
 
 
 class NotSpliced(Exception):
