@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import shrink
-from .catalog import MODEL_CLASS_OVERRIDES, config_extra, model_class_name, processor_class_name
+from .catalog import FILLED_TOKENS, MODEL_CLASS_OVERRIDES, config_extra, model_class_name, processor_class_name
 
 WORDS = ["describe", "this", "please", "what", "is", "in", "the", "image", "audio", "video", "user", "assistant",
          "system", "hello", "and", "a", "of", "transcribe", "text"]
@@ -204,7 +204,8 @@ def audio_geometry(extractor_class: type, config: Any) -> dict[str, Any]:
 def match_image_size(image_processor: Any, config: Any) -> None:
     """A fixed-size image processor resized to the vision tower's `image_size`, and its patch, merge and temporal
     patch sizes set to the tower's, as a Hub folder pairs them (some types' defaults disagree)."""
-    vision = getattr(config, "vision_config", None)
+    vision = getattr(config, "vision_config", None) or getattr(getattr(config, "thinker_config", None),
+                                                               "vision_config", None)
     for attribute, sources in (("patch_size", ("patch_size",)), ("merge_size", ("spatial_merge_size", "merge_size")),
                                ("temporal_patch_size", ("temporal_patch_size",))):
         current = getattr(image_processor, attribute, None)
@@ -360,6 +361,13 @@ def build(model_type: str, folder: Path, seed: int = 0) -> dict[str, Any]:
     processor, tokenizer = build_processor(model_type, config)
     assigned = align_token_ids(config, processor, tokenizer)
     tokens = modality_token_ids(config, processor, tokenizer)
+    for modality, filled in FILLED_TOKENS.get(model_type, {}).items():
+        number = tokenizer.get_vocab()[filled]
+        for path in shrink.token_id_attributes(config):
+            if path.rsplit(".", 1)[-1] in (f"{modality}_token_id", f"{modality}_token_index"):
+                shrink.set_path(config, path, number)
+                assigned[path] = number
+        tokens[modality] = (tokens[modality][0], number)
     set_dtype(config, torch.float32)
     model_class = getattr(transformers, MODEL_CLASS_OVERRIDES.get(model_type) or model_class_name(model_type))
     torch.manual_seed(seed)

@@ -43,6 +43,11 @@ PROCESSOR_OVERRIDES: dict[str, str] = {
 
 MODEL_CLASS_OVERRIDES: dict[str, str] = {}
 
+#: Types whose rows fill another token than the one a prompt holds (and the processor names `image_token`): the
+#: token the config's placeholder id must name, as the Hub folder's config does (Llama 4 expands <|image|> into
+#: <|patch|> tokens, and its `image_token_index` is <|patch|>'s id).
+FILLED_TOKENS: dict[str, dict[str, str]] = {"llama4": {"image": "<|patch|>"}}
+
 #: Per-type config overrides (nested dicts), on top of the generic shrink.
 _GLM_TEXT = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                  "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}}}
