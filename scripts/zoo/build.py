@@ -23,7 +23,7 @@ WORDS = ["describe", "this", "please", "what", "is", "in", "the", "image", "audi
 BASE_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 #: A token-looking literal in a processor's source: <...>, <|...|>, [UPPER_CASE], ▁-free and short.
 TOKEN_LITERAL = re.compile(r"""["'](<\|?[A-Za-z0-9_:/.\-| ]{1,40}\|?>|\[[A-Z][A-Z_]{1,30}\]|\|[A-Z_]{2,30}\|)["']""")
-NAMED_ACCESS = re.compile(r"tokenizer\.(\w+_token)\b")
+NAMED_ACCESS = re.compile(r"tokenizer\.(\w+_token)\b|getattr\(tokenizer, [\"'](\w+_token)[\"']")
 #: Processor attribute names for each modality's placeholder token, in order of preference.
 MODALITY_TOKEN_NAMES = {"image": ("image_token", "image_pad_token", "img_token"),
                         "audio": ("audio_token", "audio_pad_token"),
@@ -54,13 +54,18 @@ def processor_sources(processor_class: type) -> str:
     return "\n".join(texts)
 
 
+def named_accesses(line: str) -> list[str]:
+    """The token names a source line reads from its tokenizer (`tokenizer.boa_token`, `getattr(tokenizer, "...")`)."""
+    return [a or b for a, b in NAMED_ACCESS.findall(line)]
+
+
 def special_tokens(processor_class: type) -> tuple[list[str], dict[str, str]]:
     """The token literals a processor's source uses, and the named ones it reads from its tokenizer."""
     source = processor_sources(processor_class)
     literals = list(dict.fromkeys(TOKEN_LITERAL.findall(source)))
     named: dict[str, str] = {}
     for line in source.splitlines():
-        names = NAMED_ACCESS.findall(line)
+        names = named_accesses(line)
         found = TOKEN_LITERAL.findall(line)
         for name in names:
             if len(found) == 1 and name not in named:
@@ -76,7 +81,7 @@ def special_tokens(processor_class: type) -> tuple[list[str], dict[str, str]]:
     standard = {"pad_token", "bos_token", "eos_token", "unk_token", "sep_token", "cls_token", "mask_token"}
     invent = "AddedToken(" not in source  # a processor that adds its own token when the tokenizer lacks it
     for line in source.splitlines() if invent else ():  # read from the tokenizer, no literal: a token of our own
-        for name in NAMED_ACCESS.findall(line):
+        for name in named_accesses(line):
             if name not in named and name not in standard:
                 named[name] = f"<|{name.removesuffix('_token')}|>"
                 literals.append(named[name])

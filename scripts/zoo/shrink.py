@@ -196,9 +196,18 @@ def outputs_to_text(overrides: dict[str, Any], hidden: int, is_text: bool = Fals
             overrides[key] = hidden
 
 
+def with_optional_towers(config_class: type) -> Any:
+    """The config's defaults, with every sub-config the defaults leave out (Gemma 4's vision and audio towers are
+    optional, None by default) present at its own class's defaults, as a published checkpoint has them."""
+    default = config_class()
+    missing = {name: klass() for name, klass in (getattr(config_class, "sub_configs", None) or {}).items()
+               if isinstance(klass, type) and getattr(default, name, "absent") is None}
+    return config_class(**missing) if missing else default
+
+
 def tiny_config(config_class: type, extra: dict | None = None) -> Any:
     """The config class's defaults, shrunk, with `extra` (per-type overrides, nested dicts) on top."""
-    default = config_class()
+    default = with_optional_towers(config_class)
     widths = width_map(default)
     overrides = shrink_overrides(default, widths)
     if extra:
