@@ -80,6 +80,15 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, **_omni_rope([16, 24, 24])},
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, **_omni_rope([24, 20, 20])},
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
+    # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's
+    "gemma3n": {"text_config": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0],
+                                "vocab_size_per_layer_input": 64},
+                # its timm MobileNetV5 tower is fixed (2048 channels out); the vision and audio vocabularies
+                # (128 each) end the text one (320), as 262144 + 128 + 128 do in the published config
+                "vision_config": {"hidden_size": 2048, "vocab_offset": 64},
+                "audio_config": {"vocab_offset": 192}},
     # Llama 4's pixel shuffle (ratio 0.5) makes 4x the tower width (`intermediate_size`), its MLP maps that to
     # projector_input_dim = projector_output_dim = vision_output_dim, what the projector reads
     "llama4": {"vision_config": {"hidden_size": 64, "intermediate_size": 256, "projector_input_dim": 96,
