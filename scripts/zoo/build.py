@@ -206,6 +206,13 @@ def audio_geometry(extractor_class: type, config: Any) -> dict[str, Any]:
     return {}
 
 
+def square(value: Any) -> int | None:
+    """A size given as an int or as a square [h, w] pair (InternVL's [448, 448]), else None."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def match_image_size(image_processor: Any, config: Any) -> None:
     """A fixed-size image processor resized to the vision tower's `image_size`, and its patch, merge and temporal
     patch sizes set to the tower's, as a Hub folder pairs them (some types' defaults disagree)."""
@@ -214,11 +221,11 @@ def match_image_size(image_processor: Any, config: Any) -> None:
     for attribute, sources in (("patch_size", ("patch_size",)), ("merge_size", ("spatial_merge_size", "merge_size")),
                                ("temporal_patch_size", ("temporal_patch_size",))):
         current = getattr(image_processor, attribute, None)
-        wanted = next((getattr(vision, s) for s in sources if isinstance(getattr(vision, s, None), int)), None)
+        wanted = next((square(getattr(vision, s, None)) for s in sources if square(getattr(vision, s, None))), None)
         if isinstance(current, int) and wanted is not None and current != wanted:
             setattr(image_processor, attribute, wanted)
-    size = getattr(vision, "image_size", None)
-    if not isinstance(size, int):
+    size = square(getattr(vision, "image_size", None))
+    if size is None:
         return
     for attribute in ("size", "crop_size"):
         current = getattr(image_processor, attribute, None)

@@ -80,6 +80,7 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, **_omni_rope([16, 24, 24])},
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, **_omni_rope([24, 20, 20])},
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
+    "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's
     "gemma3n": {"text_config": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
                                 "layer_types": ["sliding_attention", "full_attention"] * 2,
