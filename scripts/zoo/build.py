@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from . import shrink
-from .catalog import FILLED_TOKENS, MODEL_CLASS_OVERRIDES, config_extra, model_class_name, processor_class_name
+from .catalog import (
+    FILLED_TOKENS,
+    IMAGE_PROCESSOR_SETTINGS,
+    MODEL_CLASS_OVERRIDES,
+    PROCESSOR_SETTINGS,
+    config_extra,
+    model_class_name,
+    processor_class_name,
+)
 
 WORDS = ["describe", "this", "please", "what", "is", "in", "the", "image", "audio", "video", "user", "assistant",
          "system", "hello", "and", "a", "of", "transcribe", "text"]
@@ -190,6 +198,13 @@ def settings_from_config(processor_class: type, config: Any, given: dict[str, An
                 if values.get(source) is not None:
                     out[name] = values[source]
                     break
+            else:
+                if name in ("image_seq_length", "num_image_tokens"):  # one row per patch of the tower's image
+                    vision = getattr(config, "vision_config", None)
+                    size, patch = (square(getattr(vision, "image_size", None)),
+                                   square(getattr(vision, "patch_size", None)))
+                    if size and patch:
+                        out[name] = (size // patch) ** 2
     return out
 
 
@@ -263,7 +278,11 @@ def build_processor(model_type: str, config: Any):
                                                                                  "audio_processor") else klass()
         if attribute in ("image_processor", "video_processor"):
             match_image_size(kwargs[attribute], config)
+        if attribute == "image_processor":
+            for key, value in IMAGE_PROCESSOR_SETTINGS.get(model_type, {}).items():
+                setattr(kwargs[attribute], key, value)
     kwargs.update(settings_from_config(processor_class, config, kwargs))
+    kwargs.update(PROCESSOR_SETTINGS.get(model_type, {}))
     try:
         processor = processor_class(**kwargs)
     except Exception as exc:  # noqa: BLE001

@@ -43,10 +43,18 @@ PROCESSOR_OVERRIDES: dict[str, str] = {
 
 MODEL_CLASS_OVERRIDES: dict[str, str] = {}
 
+#: Processor settings a Hub folder's processor_config.json holds where the class default disagrees with the model:
+#: Pixtral-style processors default to patches of 16 unmerged, Mistral 3's tower uses 14, merged 2x2.
+_PIXTRAL = {"patch_size": 14, "spatial_merge_size": 2}
+PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {"mistral3": _PIXTRAL, "mistral_large4": _PIXTRAL}
+#: Image processor attributes a Hub folder's preprocessor_config.json holds (PaliGemma's processor reads its
+#: row count there: (224 / 14)^2).
+IMAGE_PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {"paligemma": {"image_seq_length": 256}}
+
 #: Types whose rows fill another token than the one a prompt holds (and the processor names `image_token`): the
 #: token the config's placeholder id must name, as the Hub folder's config does (Llama 4 expands <|image|> into
 #: <|patch|> tokens, and its `image_token_index` is <|patch|>'s id).
-FILLED_TOKENS: dict[str, dict[str, str]] = {"llama4": {"image": "<|patch|>"}}
+FILLED_TOKENS: dict[str, dict[str, str]] = {"llama4": {"image": "<|patch|>"}, "aya_vision": {"image": "<|IMG_PATCH|>"}}
 
 #: Per-type config overrides (nested dicts), on top of the generic shrink.
 _GLM_TEXT = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -80,6 +88,7 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, **_omni_rope([16, 24, 24])},
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, **_omni_rope([24, 20, 20])},
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
+    "aya_vision": {"vision_config": {"image_size": 364}},  # its processor's 364-pixel tiles (img_size)
     "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's
     "gemma3n": {"text_config": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
