@@ -88,6 +88,8 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, **_omni_rope([16, 24, 24])},
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, **_omni_rope([24, 20, 20])},
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
+    # Janus' aligner ends at projection_dim, the text width in a published config (its defaults disagree)
+    "janus": {"vision_config": {"projection_dim": "TEXT_HIDDEN"}, "vq_config": {"projection_dim": "TEXT_HIDDEN"}},
     "aya_vision": {"vision_config": {"image_size": 364}},  # its processor's 364-pixel tiles (img_size)
     "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's

@@ -18,7 +18,8 @@ WIDTH_KEYS = {"hidden_size", "d_model", "embed_dim", "hidden_dim", "out_hidden_s
               "encoder_hidden_size", "hidden_channels", "width", "embedding_dim", "n_embd", "dim", "vision_dim",
               "audio_hidden_size", "hidden_size_per_layer_input", "projector_dim", "output_hidden_size",
               "adapter_hidden_size", "encoder_dim", "llm_dim", "out_dim", "downsample_hidden_size",
-              "vision_output_dim", "projector_output_dim", "text_dim", "audio_dim", "context_dim"}
+              "vision_output_dim", "projector_output_dim", "text_dim", "audio_dim", "context_dim",
+              "projection_hidden_size"}
 #: Attributes holding a feed-forward width.
 FFN_KEYS = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "mlp_dim", "n_inner",
             "projector_intermediate_size", "intermediate_dim", "linear_units", "mlp_hidden_size",
