@@ -86,6 +86,10 @@ def special_tokens(processor_class: type) -> tuple[list[str], dict[str, str]]:
             if name.endswith("_token") and isinstance(parameter.default, str) and name not in named:
                 named[name] = parameter.default
                 literals.append(parameter.default)
+    for klass in processor_class.__mro__:  # class constants (MiniMax M3's IMAGE_TOKEN = "]<]image[>[")
+        for name, value in vars(klass).items():
+            if name.isupper() and name.endswith("_TOKEN") and isinstance(value, str) and value:
+                literals.append(value)
     standard = {"pad_token", "bos_token", "eos_token", "unk_token", "sep_token", "cls_token", "mask_token"}
     invent = "AddedToken(" not in source  # a processor that adds its own token when the tokenizer lacks it
     for line in source.splitlines() if invent else ():  # read from the tokenizer, no literal: a token of our own

@@ -54,7 +54,8 @@ IMAGE_PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {"paligemma": {"image_seq_
 #: Types whose rows fill another token than the one a prompt holds (and the processor names `image_token`): the
 #: token the config's placeholder id must name, as the Hub folder's config does (Llama 4 expands <|image|> into
 #: <|patch|> tokens, and its `image_token_index` is <|patch|>'s id).
-FILLED_TOKENS: dict[str, dict[str, str]] = {"llama4": {"image": "<|patch|>"}, "aya_vision": {"image": "<|IMG_PATCH|>"}}
+FILLED_TOKENS: dict[str, dict[str, str]] = {"llama4": {"image": "<|patch|>"}, "aya_vision": {"image": "<|IMG_PATCH|>"},
+                                            "ovis2": {"image": "<IMG_ATOM>"}}
 
 #: Per-type config overrides (nested dicts), on top of the generic shrink.
 _GLM_TEXT = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -90,6 +91,7 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "idefics3": {"vision_config": {"image_size": 364, "patch_size": 14}},
     # Janus' aligner ends at projection_dim, the text width in a published config (its defaults disagree)
     "janus": {"vision_config": {"projection_dim": "TEXT_HIDDEN"}, "vq_config": {"projection_dim": "TEXT_HIDDEN"}},
+    "ovis2": {"hidden_size": "TEXT_HIDDEN"},  # its visual embedding table is as wide as the text's
     "aya_vision": {"vision_config": {"image_size": 364}},  # its processor's 364-pixel tiles (img_size)
     "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's
