@@ -128,7 +128,8 @@ def shrink_overrides(config: Any, widths: dict[int, int]) -> dict[str, Any]:
     if isinstance(attrs.get("head_dim"), int) and isinstance(hidden, int) and isinstance(heads, int) and heads:
         out["head_dim"] = max(16, hidden // heads)
         if isinstance(attrs.get("qk_rope_head_dim"), int) and attrs["head_dim"] == attrs["qk_rope_head_dim"]:
-            out["head_dim"] = out["qk_rope_head_dim"]  # multi-head latent attention: the rotary part's width
+            # multi-head latent attention: the rotary part's width
+            out["head_dim"] = out.get("qk_rope_head_dim", attrs["qk_rope_head_dim"])
     if isinstance(attrs.get("kv_lora_rank"), int) and attrs.get("num_key_value_heads") == attrs.get(
             "num_attention_heads") and "num_attention_heads" in out:
         out["num_key_value_heads"] = out["num_attention_heads"]  # latent attention: as many key heads as queries
