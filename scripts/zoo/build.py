@@ -18,6 +18,7 @@ import torch
 from . import shrink
 from .catalog import (
     FILLED_TOKENS,
+    HAND_BUILT,
     IMAGE_PROCESSOR_SETTINGS,
     MODEL_CLASS_OVERRIDES,
     PROCESSOR_SETTINGS,
@@ -383,10 +384,36 @@ def randomize_zero_weights(model: torch.nn.Module) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
 
 
+def hand_built(model_type: str, folder: Path) -> dict[str, Any]:
+    """The test suite's builder for this type; the placeholder ids are the saved config's own."""
+    import importlib
+
+    from transformers import AutoProcessor
+
+    module, function = HAND_BUILT[model_type]
+    model, _ = getattr(importlib.import_module(module), function)(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    tokens = modality_token_ids(model.config, processor, processor.tokenizer)
+    for modality, (text, _number) in list(tokens.items()):
+        for key in (f"{modality}_token_id", f"{modality}_token_index"):
+            if isinstance(getattr(model.config, key, None), int):
+                tokens[modality] = (text, getattr(model.config, key))
+                break
+    manifest = {"model_type": model_type, "model_class": type(model).__name__,
+                "processor_class": type(processor).__name__, "tokens": tokens, "assigned_ids": {},
+                "parameters": sum(p.numel() for p in model.parameters()), "hand_built": f"{module}.{function}"}
+    (folder / "zoo.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
 def build(model_type: str, folder: Path, seed: int = 0) -> dict[str, Any]:
     """Build and save the folder; returns the manifest (also written to zoo.json)."""
     import transformers
     from transformers.models.auto import configuration_auto
+
+    if model_type in HAND_BUILT:
+        folder.mkdir(parents=True, exist_ok=True)
+        return hand_built(model_type, folder)
 
     config_class = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[model_type])
     try:

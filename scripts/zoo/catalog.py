@@ -43,6 +43,14 @@ PROCESSOR_OVERRIDES: dict[str, str] = {
 
 MODEL_CLASS_OVERRIDES: dict[str, str] = {}
 
+#: Types whose config the generic shrink cannot make valid (per-layer tables, architecture validators): the
+#: test suite's hand-built tiny checkpoint of the same kind (save_pretrained, its processor, an offline
+#: tokenizer), as (module, function taking the folder).
+HAND_BUILT: dict[str, tuple[str, str]] = {
+    "dots3_note": ("tests.omni_family_checkpoints", "dots3_note_checkpoint"),
+    "muse_spark": ("tests.omni_family_checkpoints", "muse_spark_checkpoint"),
+}
+
 #: Processor settings a Hub folder's processor_config.json holds where the class default disagrees with the model:
 #: Pixtral-style processors default to patches of 16 unmerged, Mistral 3's tower uses 14, merged 2x2.
 _PIXTRAL = {"patch_size": 14, "spatial_merge_size": 2}
