@@ -54,10 +54,16 @@ HAND_BUILT: dict[str, tuple[str, str]] = {
 #: Processor settings a Hub folder's processor_config.json holds where the class default disagrees with the model:
 #: Pixtral-style processors default to patches of 16 unmerged, Mistral 3's tower uses 14, merged 2x2.
 _PIXTRAL = {"patch_size": 14, "spatial_merge_size": 2}
-PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {"mistral3": _PIXTRAL, "mistral_large4": _PIXTRAL}
+PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {"mistral3": _PIXTRAL, "mistral_large4": _PIXTRAL,
+                                                 "fast_vlm": {"patch_size": 64},  # FastViT downsamples 64x
+                                                 # its CLIP tower's class token is counted, then dropped
+                                                 "vipllava": {"vision_feature_select_strategy": "default"}}
 #: Image processor attributes a Hub folder's preprocessor_config.json holds (PaliGemma's processor reads its
 #: row count there: (224 / 14)^2).
-IMAGE_PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {"paligemma": {"image_seq_length": 256}}
+IMAGE_PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {
+    "paligemma": {"image_seq_length": 256},
+    "fast_vlm": {"size": {"shortest_edge": 1024}, "crop_size": {"height": 1024, "width": 1024}},
+}
 
 #: Types whose rows fill another token than the one a prompt holds (and the processor names `image_token`): the
 #: token the config's placeholder id must name, as the Hub folder's config does (Llama 4 expands <|image|> into
@@ -100,6 +106,17 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     # Janus' aligner ends at projection_dim, the text width in a published config (its defaults disagree)
     "janus": {"vision_config": {"projection_dim": "TEXT_HIDDEN"}, "vq_config": {"projection_dim": "TEXT_HIDDEN"}},
     "ovis2": {"hidden_size": "TEXT_HIDDEN"},  # its visual embedding table is as wide as the text's
+    # Phi-4's conformer convolutions run at the encoder width
+    "phi4_multimodal": {"audio_config": {"depthwise_separable_out_channel": 64, "ext_pw_out_channel": 64,
+                                         "nemo_conv_channels": 64}},
+    # towers whose feature layers index deep: their default depth (VipLLaVA reads layers -2, -5, -8, -11 and 6;
+    # DeepSeek-VL Hybrid's SAM tower its global-attention layer 2)
+    "vipllava": {"vision_config": {"num_hidden_layers": 12}},
+    "deepseek_vl_hybrid": {"high_res_vision_config": {"num_hidden_layers": 12}},
+    "fast_vlm": {"vision_config": {"hidden_size": 3072}},  # its timm FastViT-MCi3 gives 3072 channels
+    "step3p7": {"text_config": {"sliding_window": 512}},  # its attention asks for one even with full layers
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                                         "mrope_section": [16, 24, 24]}}},
     "aya_vision": {"vision_config": {"image_size": 364}},  # its processor's 364-pixel tiles (img_size)
     "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's
