@@ -17,6 +17,7 @@ import torch
 
 from . import shrink
 from .catalog import (
+    CHAT_TEMPLATES,
     FILLED_TOKENS,
     HAND_BUILT,
     IMAGE_PROCESSOR_SETTINGS,
@@ -293,6 +294,8 @@ def build_processor(model_type: str, config: Any):
     except Exception as exc:  # noqa: BLE001
         raise Unbuildable(f"{name}(...) fails: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") \
             from None
+    if model_type in CHAT_TEMPLATES:
+        processor.chat_template = CHAT_TEMPLATES[model_type].replace("{BOI}", str(getattr(processor, "boi_token", "")))
     return processor, tokenizer
 
 
@@ -368,6 +371,31 @@ def modality_token_ids(config: Any, processor: Any, tokenizer: Any) -> dict[str,
     return out
 
 
+def set_vocabulary_map(config: Any, tokenizer: Any) -> None:
+    """Models that quantise an image into codes of their own vocabulary (Chameleon, Emu3) read a `vocabulary_map`
+    (token name -> id) a Hub config holds: here <image>, and one named token per code of the tiny VQ codebook on
+    ids the tokenizer leaves free."""
+    if "vocabulary_map" not in vars(config):
+        return
+    vocab = tokenizer.get_vocab()
+    codes = getattr(config.vq_config, "num_embeddings", None) or config.vq_config.codebook_size
+    first = shrink.VOCAB - codes - 8
+    if first <= len(vocab):
+        raise Unbuildable(f"a codebook of {codes} codes does not fit the tiny vocabulary")
+    letters = "ABCDEFGHIJ"
+    if config.model_type == "chameleon":  # IMGIMG + the code's digits as letters + Z
+        names = ["IMGIMG" + "".join(letters[int(d)] for d in str(i)) + "Z" for i in range(codes)]
+    else:  # Emu3: <|visual token000042|>, and its end-of-line token
+        names = [f"<|visual token{i:06d}|>" for i in range(codes)]
+    mapping = {name: first + i for i, name in enumerate(names)}
+    mapping["<image>"] = vocab["<image>"] if "<image>" in vocab else tokenizer.convert_tokens_to_ids(
+        getattr(tokenizer, "image_token", "<image>"))
+    if config.model_type != "chameleon":
+        mapping["<|extra_200|>"] = vocab.get("<|extra_200|>", first + codes)
+    config.vocabulary_map = mapping
+    config.image_token_id = mapping["<image>"]
+
+
 def set_dtype(config: Any, dtype: torch.dtype) -> None:
     """The dtype of the config and every sub-config (Llama 4's defaults leave its towers in bfloat16)."""
     config.dtype = dtype
@@ -422,6 +450,7 @@ def build(model_type: str, folder: Path, seed: int = 0) -> dict[str, Any]:
         raise Unbuildable(f"config: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from None
     processor, tokenizer = build_processor(model_type, config)
     assigned = align_token_ids(config, processor, tokenizer)
+    set_vocabulary_map(config, tokenizer)
     tokens = modality_token_ids(config, processor, tokenizer)
     for modality, filled in FILLED_TOKENS.get(model_type, {}).items():
         number = tokenizer.get_vocab()[filled]

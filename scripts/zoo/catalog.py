@@ -51,6 +51,14 @@ HAND_BUILT: dict[str, tuple[str, str]] = {
     "muse_spark": ("tests.omni_family_checkpoints", "muse_spark_checkpoint"),
 }
 
+#: Chat templates a Hub folder ships that the processor cannot run without ({BOI}: the processor's boi_token).
+#: ShieldGemma 2 builds one prompt per policy from its template: the image, then the policy's text.
+CHAT_TEMPLATES: dict[str, str] = {
+    "shieldgemma2": ("{% for message in messages %}{% for content in message['content'] %}"
+                     "{% if content['type'] == 'image' %}{BOI}{% else %}{{ content['text'] }}{% endif %}"
+                     "{% endfor %}{% endfor %}"),
+}
+
 #: Processor settings a Hub folder's processor_config.json holds where the class default disagrees with the model:
 #: Pixtral-style processors default to patches of 16 unmerged, Mistral 3's tower uses 14, merged 2x2.
 _PIXTRAL = {"patch_size": 14, "spatial_merge_size": 2}
@@ -117,6 +125,17 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "step3p7": {"text_config": {"sliding_window": 512}},  # its attention asks for one even with full layers
     "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
                                                          "mrope_section": [16, 24, 24]}}},
+    # image codes become tokens of the text vocabulary: a codebook small enough to fit it
+    "chameleon": {"vq_config": {"num_embeddings": 64}}, "emu3": {"vq_config": {"codebook_size": 64}},
+    # Cohere Compass keys its rope parameters by layer type (its defaults leave them empty)
+    "cohere_compass": {"text_config": {"head_dim": 32, "rope_parameters": {"full_attention": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5]}}}},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # its defaults leave it None
+    # settings the config's validators tie to widths, depths or the vocabulary, set for the tiny shape
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # its two last tower layers ([24, 18])
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": 20}},  # the text width (80) // 4
+    "nemo_speechlm": {"word_timestamp_config": {"blank_token_id": 319}},  # the last class of the tiny vocabulary
+    "hunyuan_vl": {"text_config": {"head_dim": 32}},  # its defaults leave it None
     "aya_vision": {"vision_config": {"image_size": 364}},  # its processor's 364-pixel tiles (img_size)
     "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's

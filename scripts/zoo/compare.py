@@ -109,9 +109,10 @@ def processor_inputs(processor: Any, modality: str, token: str, item: Any, rate:
 
 
 #: Processor attributes naming what a prompt holds for one item, when it is not the token the rows fill
-#: (Gemma 3 expands its begin-of-image token); "" is a prompt with no token (the processor adds it, Fuyu).
-PROMPT_TOKENS = {"image": ("boi_token", "start_image_token", "image_start_token"), "audio": ("boa_token",
-                                                                                              "audio_start_token")}
+#: (Gemma 3 expands its begin-of-image token, Qianfan-OCR its
+#: image_placeholder_token); "" is a prompt with no token (the processor adds it, Fuyu).
+PROMPT_TOKENS = {"image": ("boi_token", "start_image_token", "image_start_token", "image_placeholder_token"),
+                 "audio": ("boa_token", "audio_start_token")}
 
 
 def prompt_candidates(processor: Any, modality: str, token: str) -> list[str]:
