@@ -9,6 +9,9 @@ how each (model type, modality) pair is served against what the full model feeds
     not applicable  not a decoder LM fed with rows spliced at placeholder tokens (reason shown)
     unbuildable     the tiny checkpoint or the full model's reference cannot be made here (reason shown)
 
+A video item is a `VideoClip` (frames with the source's fps and frame indices, as the server's decoder makes it);
+the reference gives the full processor those frames unsampled (`do_sample_frames=False`) with their metadata.
+
 Each type runs in its own subprocess with a timeout (`scripts/zoo/compare.py`), one at a time; built folders
 are cached under `--work`. `--without-torchvision` runs the same with torchvision hidden (the PIL processors).
 
@@ -74,7 +77,8 @@ def summary(rows: list[dict]) -> str:
     types_with = {outcome: sorted({r["model_type"] for r in rows if r["result"] == outcome})
                   for outcome in ("not applicable", "unbuildable")}
     return (f"exact {count('exact')} of {len(pairs)} buildable pairs (images {count('exact', 'image')}/"
-            f"{buildable('image')}, audio {count('exact', 'audio')}/{buildable('audio')}); wrong {count('wrong')}, "
+            f"{buildable('image')}, audio {count('exact', 'audio')}/{buildable('audio')}, video "
+            f"{count('exact', 'video')}/{buildable('video')}); wrong {count('wrong')}, "
             f"refused {count('refused')}, error {count('error')}; not applicable {len(types_with['not applicable'])} "
             f"types, unbuildable {sum(1 for r in rows if r['result'] == 'unbuildable')} pairs or types")
 

@@ -38,7 +38,9 @@ def test_summary_counts_pairs_by_modality():
     rows = [{"model_type": "a", "modality": "image", "result": "exact", "detail": ""},
             {"model_type": "b", "modality": "audio", "result": "refused", "detail": ""},
             {"model_type": "b", "modality": "image", "result": "wrong", "detail": ""},
+            {"model_type": "e", "modality": "video", "result": "exact", "detail": ""},
             {"model_type": "c", "modality": "-", "result": "not applicable", "detail": ""},
             {"model_type": "d", "modality": "-", "result": "unbuildable", "detail": ""}]
-    assert summary(rows).startswith("exact 1 of 3 buildable pairs (images 1/2, audio 0/1); wrong 1, refused 1, "
+    assert summary(rows).startswith("exact 2 of 4 buildable pairs (images 1/2, audio 0/1, video 1/1); wrong 1, "
+                                    "refused 1, "
                                     "error 0; not applicable 1 types, unbuildable 1")

@@ -22,6 +22,9 @@ import torch
 TOLERANCE = 1e-4
 IMAGE_SIZES = ((40, 56), (120, 48), (90, 200))  # (width, height)
 AUDIO_SECONDS = (1.3, 3.1)
+#: Video clips as the server samples them: (frames, width, height, every n-th frame of a source at CLIP_FPS).
+CLIPS = ((4, 56, 84, 2), (6, 112, 56, 3))  # sides of 28 pixels: some video processors do not resize
+CLIP_FPS = 6.0
 RESULT_PREFIX = "ZOO-RESULT "
 
 
@@ -35,6 +38,20 @@ def sample_images() -> list[Any]:
 
     return [Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
             for seed, (w, h) in enumerate(IMAGE_SIZES)]
+
+
+def sample_clips() -> list[Any]:
+    """Clips of random frames with where they come from (`VideoClip`: the item the server's decoder makes)."""
+    from PIL import Image
+
+    from processors.video_clip import VideoClip
+
+    clips = []
+    for seed, (count, width, height, step) in enumerate(CLIPS):
+        rng = np.random.default_rng(100 + seed)
+        frames = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(count)]
+        clips.append(VideoClip(frames, CLIP_FPS, range(0, count * step, step)))
+    return clips
 
 
 def sample_audio(rate: int) -> list[np.ndarray]:
@@ -105,6 +122,15 @@ def processor_inputs(processor: Any, modality: str, token: str, item: Any, rate:
         return processor(text=[text], images=[item], return_tensors="pt", **extra)
     if modality == "audio":
         return processor(text=[text], audio=[item], sampling_rate=rate, return_tensors="pt", **extra)
+    if modality == "video":  # the frames as uint8 (T, H, W, C), unsampled, with the source they come from
+        from transformers.video_utils import VideoMetadata
+
+        frames = np.stack([np.asarray(frame) for frame in item])
+        total = item.frames_indices[-1] + 1
+        metadata = VideoMetadata(total_num_frames=total, fps=item.fps, frames_indices=list(item.frames_indices),
+                                 duration=total / item.fps)
+        return processor(text=[text], videos=[frames], do_sample_frames=False, video_metadata=[metadata],
+                         return_tensors="pt", **extra)
     raise ValueError(modality)
 
 
@@ -112,7 +138,8 @@ def processor_inputs(processor: Any, modality: str, token: str, item: Any, rate:
 #: (Gemma 3 expands its begin-of-image token, Qianfan-OCR its
 #: image_placeholder_token); "" is a prompt with no token (the processor adds it, Fuyu).
 PROMPT_TOKENS = {"image": ("boi_token", "start_image_token", "image_start_token", "image_placeholder_token"),
-                 "audio": ("boa_token", "audio_start_token")}
+                 "audio": ("boa_token", "audio_start_token"),
+                 "video": ("video_start_token",)}
 
 
 def prompt_candidates(processor: Any, modality: str, token: str) -> list[str]:
@@ -244,9 +271,9 @@ def run_type(model_type: str, work: Path) -> list[dict]:
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         return [result("-", "unbuildable", f"build: {first_line(exc)}")]
-    tokens = {m: t for m, t in manifest["tokens"].items() if m in ("image", "audio")}
+    tokens = {m: t for m, t in manifest["tokens"].items() if m in ("image", "audio", "video")}
     if not tokens:
-        return [result("-", "unbuildable", "no image or audio placeholder token found in the processor")]
+        return [result("-", "unbuildable", "no image, audio or video placeholder token found in the processor")]
     import transformers
     from transformers import AutoProcessor
 
@@ -257,7 +284,7 @@ def run_type(model_type: str, work: Path) -> list[dict]:
         traceback.print_exc()
         return [result(m, "unbuildable", f"reference load: {first_line(exc)}") for m in tokens]
     rate = sampling_rate(processor)
-    items = {"image": sample_images(), "audio": sample_audio(rate)}
+    items = {"image": sample_images(), "audio": sample_audio(rate), "video": sample_clips()}
     references: dict[str, list[torch.Tensor]] = {}
     out = []
     for modality, (token, token_id) in tokens.items():
