@@ -126,7 +126,10 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
                                                          "mrope_section": [16, 24, 24]}}},
     # image codes become tokens of the text vocabulary: a codebook small enough to fit it
-    "chameleon": {"vq_config": {"num_embeddings": 64}}, "emu3": {"vq_config": {"codebook_size": 64}},
+    # (and VQ encoders of few channels: their published widths make a model of a gigabyte)
+    "chameleon": {"vq_config": {"num_embeddings": 64, "base_channels": 32, "num_res_blocks": 1}},
+    "emu3": {"vq_config": {"codebook_size": 64, "base_channels": 32, "num_res_blocks": 1,
+                          "hidden_size": 128}},  # its attention width, base_channels * 4
     # Cohere Compass keys its rope parameters by layer type (its defaults leave them empty)
     "cohere_compass": {"text_config": {"head_dim": 32, "rope_parameters": {"full_attention": {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5]}}}},
