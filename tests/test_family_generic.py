@@ -263,7 +263,7 @@ def test_features_added_to_the_text_embedding_are_refused(checkpoint):
 
 def test_the_stand_in_embedding_tables_rows_by_index_are_its_rows():
     """Gemma 4 reads `embed_tokens.weight[pad_token_id, :]`: the stand-in answers with its own row for that id."""
-    from processors.generic import TextEmbedding
+    from processors.language_model_trap import TextEmbedding
 
     embedding = TextEmbedding(8, torch.float32)
     embedding.pattern = True
