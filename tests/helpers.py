@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +19,35 @@ from encode_server.bench.launcher import ServerProcess as _Launcher
 
 #: The environment of a subprocess that must run as on a machine without torchvision (tests/no_torchvision).
 WITHOUT_TORCHVISION = {"PYTHONPATH": str(ROOT / "tests" / "no_torchvision")}
+
+
+def python_module(module: str, *args: str, env: dict[str, str] | None = None,
+                  environment: dict[str, str] | None = None, cwd: Path = ROOT, stderr_to_stdout: bool = False):
+    """`python -m module *args` as a `subprocess.Popen` in text mode with its output on pipes (stderr apart, or
+    with stdout): forked from this test worker's zygote where its environment allows (`tests/zygote.py`: the
+    same entry point in a new process, without importing torch and transformers again), else a new interpreter.
+    `env` is added to this process's environment; `environment` replaces it."""
+    from .zygote import Zygote
+
+    environment = {**os.environ, **(env or {})} if environment is None else environment
+    zygote = Zygote.shared()
+    if zygote is not None and zygote.takes(environment):
+        return zygote.start(module, list(args), environment, cwd, stderr_to_stdout)
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=environment, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
+
+
+def run_python_module(module: str, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT,
+                      timeout: float = 180.0) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)`, through
+    `python_module`."""
+    process = python_module(module, *args, env=env, cwd=cwd)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
@@ -80,6 +113,12 @@ class ServerProcess(MetricsReader, _Launcher):
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, **kwargs) -> None:
         super().__init__(*args, env={"ENCODER_CACHE_BYTES": "0", **(env or {})}, **kwargs)
+
+    def start_process(self):
+        """Forked from this test worker's zygote where it can be (see `python_module`)."""
+        if self.python != sys.executable:
+            return super().start_process()
+        return python_module(self.module, *self.args, environment=self.env, stderr_to_stdout=True)
 
 
 class InProcessServer(MetricsReader):

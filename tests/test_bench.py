@@ -8,7 +8,7 @@ import sys
 
 from encode_server.bench.__main__ import main
 
-from .helpers import ROOT, ServerProcess
+from .helpers import ROOT, ServerProcess, run_python_module
 
 
 def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path):
@@ -70,9 +70,8 @@ def test_bench_against_a_running_server_measures_the_encoder_not_its_cache(tmp_p
     with ServerProcess("--cache-bytes", "64MiB") as server:
         def bench(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
             out = tmp_path / ("repeat" if extra else "distinct")
-            done = subprocess.run([sys.executable, "-m", "encode_server.bench", "--url", server.url, "--concurrency",
-                                   "2", "--rates", "", "--out", str(out), *extra], capture_output=True, text=True,
-                                  timeout=300, cwd=ROOT)
+            done = run_python_module("encode_server.bench", "--url", server.url, "--concurrency", "2", "--rates", "",
+                                     "--out", str(out), *extra, timeout=300)
             assert done.returncode == 0, done.stdout + done.stderr
             return done, json.loads((out / "results.json").read_text())
 

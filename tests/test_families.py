@@ -24,7 +24,7 @@ from processors.checkpoint import CheckpointError
 from processors.registry import load_checkpoint
 
 from .checkpoints import internvl_checkpoint, qwen2_audio_checkpoint, qwen25_vl_checkpoint
-from .helpers import InProcessServer, rel_diff
+from .helpers import InProcessServer, rel_diff, run_python_module
 from .tiny_parts import random_image
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -237,11 +237,8 @@ def test_checkpoint_without_encoder_keys_names_them(tmp_path):
 
 
 def test_bad_checkpoint_folder_fails_at_start_with_a_message(tmp_path):
-    import subprocess
-    import sys
 
-    result = subprocess.run([sys.executable, "-m", "encode_server", "--model", str(tmp_path), "--port", "0"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python_module("encode_server", "--model", str(tmp_path), "--port", "0", timeout=120)
     assert result.returncode != 0 and "config.json" in result.stderr
 
 

@@ -7,8 +7,6 @@ import base64
 import io
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,7 +20,7 @@ from encode_server.parallel.tensor_parallel import layout_digest
 from processors import ItemLayout, PreparedBatch, load_adapter
 from processors.sharding import reorder_fused_qkv
 
-from .helpers import ROOT, ServerProcess, image_b64
+from .helpers import ServerProcess, image_b64, run_python_module
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +128,13 @@ def test_tp2_equals_tp1_and_a_killed_rank_fails_fast(reference):
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_refused_at_start():
-    result = subprocess.run([sys.executable, "-m", "encode_server", "--tp-size", "3", "--port", "0"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=180)
+    result = run_python_module("encode_server", "--tp-size", "3", "--port", "0", timeout=180)
     assert result.returncode != 0
     assert "4 attention heads do not split over 3" in result.stderr
 
 
 def test_tp_and_dp_together_are_refused():
-    result = subprocess.run([sys.executable, "-m", "encode_server", "--tp-size", "2", "--dp-size", "2"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = run_python_module("encode_server", "--tp-size", "2", "--dp-size", "2", timeout=60)
     assert result.returncode != 0 and "cannot both" in result.stderr
 
 

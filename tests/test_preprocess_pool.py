@@ -506,22 +506,25 @@ def test_preprocess_device_cuda_is_refused_where_it_cannot_run(adapters):
 
 # --- the server with a pool ------------------------------------------------------------------------------
 
-def server_workers(server_pid: int) -> list[int]:
-    """The server's preprocessing workers (its spawned children, not multiprocessing's resource tracker)."""
+def child_pids(pid: int) -> list[int]:
     children = []
-    for task in os.listdir(f"/proc/{server_pid}/task"):
-        with open(f"/proc/{server_pid}/task/{task}/children") as handle:
-            children += [int(pid) for pid in handle.read().split()]
-    workers = []
-    for pid in children:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as handle:
+            children += [int(child) for child in handle.read().split()]
+    return children
+
+
+def server_workers(server_pid: int) -> list[int]:
+    """The server's preprocessing workers: the children of the fork server it started for them (not
+    multiprocessing's resource tracker, its other child)."""
+    for pid in child_pids(server_pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                cmdline = handle.read().replace(b"\0", b" ")
+                if b"forkserver" in handle.read():
+                    return child_pids(pid)
         except FileNotFoundError:
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            workers.append(pid)
-    return workers
+    return []
 
 
 def test_server_with_workers_fails_bad_items_alone_and_survives_a_killed_worker(adapters):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -23,12 +22,11 @@ from processors.base import resolve_device
 from processors.checkpoint import CheckpointError
 from processors.registry import builtin_models
 
-from .helpers import ROOT, InProcessServer, image_b64, png_bytes
+from .helpers import InProcessServer, image_b64, png_bytes, run_python_module
 
 
 def run_server(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "encode_server", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_python_module("encode_server", *args, timeout=timeout)
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:

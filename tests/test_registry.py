@@ -17,7 +17,7 @@ from processors import registry
 from processors.family import Family
 from processors.sharding import ShardingError
 
-from .helpers import ROOT
+from .helpers import ROOT, run_python_module
 
 PROCESSORS = ROOT / "processors"
 
@@ -62,8 +62,8 @@ def test_importing_the_families_stays_cheap():
 
 
 def test_registry_prints_the_readme_table():
-    out = subprocess.run([sys.executable, "-m", "processors.registry"], cwd=ROOT, capture_output=True, text=True,
-                         check=True)
+    out = run_python_module("processors.registry")
+    assert out.returncode == 0, out.stderr
     assert out.stdout == registry.family_table_markdown() and not out.stderr
     assert "| qwen2_5_vl | `qwen2_5_vl` | `tiny-qwen2.5-vl` | image, video |" in out.stdout
 

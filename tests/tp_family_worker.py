@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,13 +22,12 @@ IMAGE_SIZES = [(60, 45), (130, 40), (30, 90)]
 
 def run_ranks(specs: list[str], out: Path, timeout: float, modalities: bool = False, world: int = 2) -> dict:
     """Start `world` ranks of this worker on `specs` (`MODULE=FOLDER`); assert they exit 0; rank 0's results."""
-    from .helpers import ROOT, free_port
+    from .helpers import free_port, python_module
 
     init_url = f"tcp://127.0.0.1:{free_port()}"
     mode = ["--modalities"] if modalities else []
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.tp_family_worker", str(rank), str(world), init_url,
-                               str(out), *mode, *specs], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in range(world)]
+    ranks = [python_module("tests.tp_family_worker", str(rank), str(world), init_url, str(out), *mode, *specs)
+             for rank in range(world)]
     try:
         outputs = [rank.communicate(timeout=timeout) for rank in ranks]
     finally:

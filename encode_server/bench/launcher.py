@@ -43,10 +43,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         log = tempfile.NamedTemporaryFile("w+", prefix="encode-server-", suffix=".log", delete=False)
         self.log_path = Path(log.name)
-        self.proc = subprocess.Popen(
-            [self.python, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        )
+        self.proc = self.start_process()
         ready, ready_line_seen = threading.Event(), threading.Event()
 
         def copy_output() -> None:
@@ -77,6 +74,11 @@ class ServerProcess:
             self.__exit__(None, None, None)
             raise RuntimeError(f"server started but /health says {response.text}:\n{self.log()}")
         return self
+
+    def start_process(self) -> subprocess.Popen:
+        """`python -m MODULE ARGS` with this environment, its output (stdout and stderr) on a pipe."""
+        return subprocess.Popen([self.python, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path else ""

@@ -1,6 +1,7 @@
 """Decode and preprocess media items in worker processes, so that preprocessing runs on every core.
 
-`PreprocessPool` starts `workers` processes with `spawn`, each holding the adapter's
+`PreprocessPool` starts `workers` processes (from a fork server that has imported what they need:
+`preprocessing.process.worker_context`), each holding the adapter's
 `preprocessing_copy()` (no model) and one torch thread. A task is one item: its raw file bytes (a
 list of image files for a video given as frames) and its modality; the worker decodes it with the
 functions and limits of `encode_server/media/loader.py`, checks its layout (`item_layout`) and runs the
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encode_server.media.decoding import MediaLimits
-from encode_server.preprocessing.process import WorkerHandle
+from encode_server.preprocessing.process import WorkerHandle, worker_context
 from encode_server.preprocessing.shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
 from encode_server.preprocessing.tasks import Submission, SubmissionFuture, Task, TaskQueue
 from processors import EncoderAdapter, PreparedBatch
@@ -104,7 +105,7 @@ class PooledItem(PreparedBatch):
 # --- the pool ----------------------------------------------------------------------------------------
 
 class PreprocessPool:
-    """`workers` spawned processes that decode and preprocess items; see the module docstring."""
+    """`workers` processes that decode and preprocess items; see the module docstring."""
 
     def __init__(self, adapter: EncoderAdapter, limits: MediaLimits, workers: int, *, threads_per_worker: int = 1,
                  item_timeout_s: float = 120.0, start_timeout_s: float = 180.0, max_start_failures: int = 3) -> None:
@@ -118,8 +119,8 @@ class PreprocessPool:
         self.start_timeout_s = start_timeout_s
         self.max_start_failures = max_start_failures
         self.broken: str | None = None  # why the pool can no longer prepare anything
-        self._context = multiprocessing.get_context("spawn")
         self._copy = adapter.preprocessing_copy()
+        self._context = worker_context(self._copy)
         self._block_prefix = str(SHM_DIR / f"encode-preprocess-{os.getpid()}-{id(self):x}")
         self._workers = [WorkerHandle(index) for index in range(workers)]
         self._inbox: deque[tuple[Submission, list[Task]]] = deque()

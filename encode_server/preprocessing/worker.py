@@ -1,4 +1,4 @@
-"""What a preprocessing worker process does (started by `preprocessing.pool.PreprocessPool` with `spawn`).
+"""What a preprocessing worker process does (started by `preprocessing.pool.PreprocessPool` from its fork server).
 
 A worker holds the adapter's `preprocessing_copy()` (no model) and one torch thread. For each task (one
 item's raw bytes and modality) it decodes the item with the functions and limits of
