@@ -24,14 +24,14 @@ WITHOUT_TORCHVISION = {"PYTHONPATH": str(ROOT / "tests" / "no_torchvision")}
 def python_module(module: str, *args: str, env: dict[str, str] | None = None,
                   environment: dict[str, str] | None = None, cwd: Path = ROOT, stderr_to_stdout: bool = False):
     """`python -m module *args` as a `subprocess.Popen` in text mode with its output on pipes (stderr apart, or
-    with stdout): forked from this test worker's zygote where its environment allows (`tests/zygote.py`: the
-    same entry point in a new process, without importing torch and transformers again), else a new interpreter.
-    `env` is added to this process's environment; `environment` replaces it."""
+    with stdout), forked from a zygote for its environment (`tests/zygote.py`: the same entry point in a new
+    process, without importing torch and transformers again); a new interpreter with `ZYGOTE=0`. `env` is added
+    to this process's environment; `environment` replaces it."""
     from .zygote import Zygote
 
     environment = {**os.environ, **(env or {})} if environment is None else environment
-    zygote = Zygote.shared()
-    if zygote is not None and zygote.takes(environment):
+    zygote = Zygote.for_environment(environment)
+    if zygote is not None:
         return zygote.start(module, list(args), environment, cwd, stderr_to_stdout)
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=environment, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)

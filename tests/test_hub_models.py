@@ -30,7 +30,7 @@ from .checkpoints import (
     qwen25_vl_checkpoint,
     tiny_tokenizer,
 )
-from .helpers import ROOT, ServerProcess
+from .helpers import ROOT, ServerProcess, run_python_module
 from .hub_stand_in import HubStandIn, commit_of
 
 OFFLINE_MESSAGE = ("is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 is set: run once with network access, "
@@ -75,8 +75,7 @@ def hub_env(hub: HubStandIn, home: Path, **extra: str) -> dict[str, str]:
 
 def start_fails(model: str, env: dict[str, str]) -> str:
     """Start the server with `--model model`; it must exit non-zero. Its stderr."""
-    result = subprocess.run([sys.executable, "-m", "encode_server", "--model", model, "--port", "0"], cwd=ROOT,
-                            env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+    result = run_python_module("encode_server", "--model", model, "--port", "0", env=env, timeout=180)
     assert result.returncode != 0, result.stderr
     return result.stderr
 

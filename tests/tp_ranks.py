@@ -1,7 +1,8 @@
 """Run built-in models' tensor-parallel plans (`Family.shard`) on real gloo ranks, as processes.
 
-`sharded_rows(jobs)` starts `world` processes on loopback once for all jobs (importing the model
-code is the slow part); for each job `(family module, built-in name, modality, items)` every rank
+`sharded_rows(jobs)` starts `world` processes on loopback once for all jobs, from multiprocessing's fork
+server (which imports torch and the families once per test worker: importing them is the slow part); for
+each job `(family module, built-in name, modality, items)` every rank
 builds the built-in model (bit-identical weights from its fixed seed), applies the family's plan
 over a CPU device mesh, and runs one forward on the same items. Rank 0's rows come back, per job.
 """
@@ -9,10 +10,13 @@ over a CPU device mesh, and runs one forward on the same items. Rank 0's rows co
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import socket
 
 import torch
 import torch.multiprocessing as mp
+
+from processors.registry import FAMILY_MODULES
 
 Job = tuple[str, str, str, list]
 
@@ -45,5 +49,7 @@ def _rank(rank: int, world: int, port: int, jobs: list[Job], results: dict) -> N
 def sharded_rows(jobs: list[Job], world: int = 2) -> list[torch.Tensor]:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(world, _free_port(), jobs, results), nprocs=world, join=True)
+        multiprocessing.set_forkserver_preload(["tests.tp_ranks", "torch.distributed", *FAMILY_MODULES])
+        mp.start_processes(_rank, args=(world, _free_port(), jobs, results), nprocs=world, join=True,
+                           start_method="forkserver")
         return [results[index] for index in range(len(jobs))]

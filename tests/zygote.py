@@ -7,9 +7,9 @@ The child is a real process running the real entry point (`runpy.run_module(MODU
 with its own arguments, variables, working folder and output: signals, draining, exit codes, logs,
 preprocessing workers and ranks behave as in a new interpreter. The zygote takes only starts whose environment
 differs from its own in `FORKED_VARIABLES` alone (the server's `ENCODER_*`, which it reads as it parses its
-settings, and a few that nothing reads before the child runs); anything a library may read as it is imported
-(`PYTHONPATH`, `HF_*`, thread counts) starts a new interpreter instead (`tests.helpers.python_module` decides).
-`ZYGOTE=0` turns it off.
+settings, and a few that nothing reads before the child runs): what a library may read as it is imported
+(`PYTHONPATH`, `HF_*`, thread counts) is the zygote's own environment, so a start with other such variables
+goes to a zygote started with them (`Zygote.for_environment`). `ZYGOTE=0` starts new interpreters instead.
 
 Wire: the client connects a `SOCK_SEQPACKET` Unix socket per process and sends one message (JSON: module,
 arguments, the variables it sets, working folder) with the write ends of the pipes for its stdout and stderr;
@@ -245,17 +245,21 @@ class ForkedProcess:
 
 
 class Zygote:
-    """One per test worker, started on first use; stopped when the worker exits."""
+    """A zygote for one environment (apart from `FORKED_VARIABLES`), started on first use; the test worker keeps
+    the last `KEPT` it used and those whose processes still run, and stops the others (all of them as it
+    exits: a zygote's processes die with it)."""
 
+    KEPT = 3
     _lock = threading.Lock()
-    _running: Zygote | None = None
+    _running: dict[frozenset, Zygote] = {}  # by environment, the last used last
 
-    def __init__(self) -> None:
+    def __init__(self, environment: dict[str, str]) -> None:
         self.folder = tempfile.mkdtemp(prefix="encode-zygote-")
         self.socket_path = os.path.join(self.folder, "socket")
-        self.environment = dict(os.environ)
+        self.environment = environment
+        self.children: list[ForkedProcess] = []
         self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.socket_path], cwd=ROOT,
-                                        env=self.environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                        env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         line = self.process.stdout.readline()
         if line != READY:
             self.process.kill()
@@ -263,21 +267,30 @@ class Zygote:
         atexit.register(self.stop)
 
     @classmethod
-    def shared(cls) -> Zygote | None:
-        """This worker's zygote (None when `ZYGOTE=0`)."""
+    def for_environment(cls, environment: dict[str, str]) -> Zygote | None:
+        """The zygote that forks processes with this environment (None when `ZYGOTE=0`)."""
         if os.environ.get("ZYGOTE", "1") == "0":
             return None
+        key = frozenset(cls.imported_part(environment).items())
         with cls._lock:
-            if cls._running is None or cls._running.process.poll() is not None:
-                cls._running = cls()
-            return cls._running
+            zygote = cls._running.pop(key, None)
+            if zygote is None or zygote.process.poll() is not None:
+                zygote = cls(cls.imported_part(environment))
+            cls._running[key] = zygote
+            idle = [key for key, kept in cls._running.items() if not kept.busy()][:-1]  # never the one just used
+            for key in idle[:max(0, len(cls._running) - cls.KEPT)]:
+                cls._running.pop(key).stop()
+            return zygote
 
-    def takes(self, environment: dict[str, str]) -> bool:
-        """Whether a process with this environment may be forked here (see `FORKED_VARIABLES`)."""
-        def others(env: dict[str, str]) -> dict[str, str]:
-            return {name: value for name, value in env.items() if not name.startswith(FORKED_VARIABLES)}
+    def busy(self) -> bool:
+        """Whether a process it forked still runs."""
+        self.children = [child for child in self.children if child.poll() is None]
+        return bool(self.children)
 
-        return others(environment) == others(self.environment)
+    @staticmethod
+    def imported_part(environment: dict[str, str]) -> dict[str, str]:
+        """The variables a process may read as it imports (all but `FORKED_VARIABLES`): a zygote's own."""
+        return {name: value for name, value in environment.items() if not name.startswith(FORKED_VARIABLES)}
 
     def start(self, module: str, args: list[str], environment: dict[str, str], cwd: Path = ROOT,
               stderr_to_stdout: bool = True) -> ForkedProcess:
@@ -300,8 +313,10 @@ class Zygote:
             for read_fd, _ in pipes:
                 os.close(read_fd)
             raise RuntimeError(f"the test zygote did not fork {module} (it said {answer!r})")
-        return ForkedProcess(connection, int(answer.split()[1]), [module, *args], pipes[0][0],
-                             None if stderr_to_stdout else pipes[1][0])
+        child = ForkedProcess(connection, int(answer.split()[1]), [module, *args], pipes[0][0],
+                              None if stderr_to_stdout else pipes[1][0])
+        self.children.append(child)
+        return child
 
     def stop(self) -> None:
         if self.process.poll() is None:
