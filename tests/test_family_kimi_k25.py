@@ -37,13 +37,16 @@ checkpoint, adapter, processor = checkpoint_fixtures(
 
 
 def video_reference(model, processor, frames) -> torch.Tensor:
-    """The model's rows for one clip alone: tower, its `temporal_patch_merger` (the per-chunk pooling loop the
-    model keeps beside its gather), projector."""
+    """The model's rows for one clip alone: its `get_video_features`, or in transformers 5.23 (whose
+    `get_video_features` miscounts pooled chunks: see below) the tower, its `temporal_patch_merger` (the per-chunk
+    pooling loop that version keeps beside its gather) and the projector."""
     inputs = processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
     pixels, grid = inputs["pixel_values_videos"], inputs["video_grid_thw"]
     tower = model.model.vision_tower
-    sizes = grid.prod(-1).tolist()
     with torch.no_grad():
+        if not hasattr(tower, "temporal_patch_merger"):
+            return torch.cat(model.model.get_video_features(pixels, grid).pooler_output)
+        sizes = grid.prod(-1).tolist()
         hidden = torch.cat([tower(chunk, grid_thw=grid[index:index + 1]).last_hidden_state
                             for index, chunk in enumerate(torch.split(pixels, sizes))])
         return model.model.mm_projector(tower.temporal_patch_merger(hidden, grid)).squeeze(1)
@@ -118,15 +121,23 @@ def test_fused_videos_equal_the_model_on_each_clip_alone(checkpoint, adapter, pr
     assert [adapter.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 1, 2, 2]
 
 
-def test_transformers_get_video_features_miscounts_pooled_chunks(checkpoint, processor):
-    """Why the video reference is built from the tower's parts: in transformers 5.23 `get_image_features` splits the
-    pooled rows by `t*h*w/4` per chunk, where pooling left `h*w/4`. When this fails, `get_video_features` is
-    fixed and can be the reference (and the adapter's own forward could call it)."""
+def test_transformers_get_video_features_miscounts_pooled_chunks_or_gives_the_adapters_rows(checkpoint, adapter,
+                                                                                          processor):
+    """In transformers 5.23 `get_image_features` splits the pooled rows by `t*h*w/4` per chunk, where pooling left
+    `h*w/4` (so the video reference above is built from the tower's parts there); from 5.24 it splits them right,
+    and its rows must be the adapter's."""
     model, _ = checkpoint
-    inputs = processor.video_processor(videos=[sample_clips()[1]], do_sample_frames=False, return_tensors="pt")
+    clip = sample_clips()[1]
+    inputs = processor.video_processor(videos=[clip], do_sample_frames=False, return_tensors="pt")
     assert inputs["video_grid_thw"].tolist() == [[3, 6, 8]]
-    with pytest.raises(RuntimeError, match="split_with_sizes"), torch.no_grad():
-        model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
+    try:
+        with torch.no_grad():
+            features = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
+    except RuntimeError as exc:
+        assert "split_with_sizes" in str(exc) and hasattr(model.model.vision_tower, "temporal_patch_merger")
+        return
+    ours = adapter.forward(adapter.preprocess("video", [clip]))
+    torch.testing.assert_close(ours, torch.cat(features.pooler_output), rtol=1e-5, atol=1e-5)
 
 
 def test_rows_fill_the_image_placeholders_and_are_spliced_there(checkpoint, adapter, processor):
