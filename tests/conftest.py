@@ -6,6 +6,10 @@
 - the default run (what CI runs): everything but `slow`, spread over the machine's cores
   (pytest-xdist, `-n auto` in pyproject.toml).
 - `slow`: long benchmarks and soaks, which measure the machine: they run one at a time.
+
+The processes tests start with `python -m` (servers, ranks, failing starts) are forked from a zygote that has
+imported torch and transformers once (`tests/zygote.py`, through `tests.helpers.python_module`); `ZYGOTE=0`
+starts new interpreters instead.
 """
 
 from __future__ import annotations

@@ -8,14 +8,18 @@ import sys
 
 from encode_server.bench.__main__ import main
 
-from .helpers import ROOT, ServerProcess, run_python_module
+from .helpers import ServerProcess, python_module, run_python_module
 
 
-def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path):
+def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path, monkeypatch):
+    """`encode-bench` run here, its servers forked from the test zygote (the same servers, started faster)."""
+    from encode_server.bench.launcher import ServerProcess as Launcher
+
+    monkeypatch.setattr(Launcher, "start_process", lambda launcher: python_module(
+        launcher.module, *launcher.args, environment=launcher.env, stderr_to_stdout=True))
     out = tmp_path / "bench"
-    subprocess.run([sys.executable, "scripts/bench.py", "--compare", "on,off,ceiling", "--concurrency", "1,4",
-                    "--rates", "20", "--requests", "12", "--open-seconds", "1", "--out", str(out)],
-                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+    main(["--compare", "on,off,ceiling", "--concurrency", "1,4", "--rates", "20", "--requests", "12",
+          "--open-seconds", "1", "--out", str(out)])
     results = json.loads((out / "results.json").read_text())
     points = results["points"]
     assert {(p["config"], p["mode"]) for p in points} == {("on", "closed"), ("off", "closed"), ("on", "open"),

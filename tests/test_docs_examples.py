@@ -20,7 +20,7 @@ from functools import cache
 
 import pytest
 
-from .helpers import ROOT, InProcessServer
+from .helpers import ROOT, InProcessServer, run_python_module
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
 DOCUMENTED_PORT = "127.0.0.1:30000"
@@ -143,8 +143,11 @@ def test_every_documented_program_exists():
 
 @cache
 def help_text(program: tuple[str, ...]) -> str:
-    done = subprocess.run([*program, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if program[1] == "-m":  # the module's entry point, forked from the test zygote (its working folder is ROOT)
+        done = run_python_module(program[2], *program[3:], "--help", timeout=120)
+    else:
+        done = subprocess.run([*program, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, f"{' '.join(program[1:])} --help failed:\n{done.stderr[-2000:]}"
     return done.stdout
 
