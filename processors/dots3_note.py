@@ -42,7 +42,8 @@ import torch
 from .base import ItemError, ItemLayout, ModelInfo, PreparedBatch
 from .checkpoint import CheckpointError
 from .family import Family
-from .grid_vision import GridVisionAdapter, resize_rule
+from .grid_vision import GridVisionAdapter
+from .qwen_vl import image_size_of, run_qwen_tower
 from .video_patches import VideoPatcher, load_video_processor
 
 MODALITIES = ("image", "video", "audio")
@@ -54,17 +55,6 @@ def audio_rows(samples: int, chunk_samples: int, samples_per_row: int) -> int:
     return full * -(-chunk_samples // samples_per_row) + -(-rest // samples_per_row)
 
 
-def _qwen_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-
-
-def run_dots3_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
-    """The merged rows of the vision tower (a module-level function: preprocessing copies pickle the adapter)."""
-    return tower(pixels, grid_thw=grid).pooler_output
-
-
 class Dots3NoteAdapter(GridVisionAdapter):
     """The vision tower through `GridVisionAdapter`, and the audio encoder with its adapter on waveforms."""
 
@@ -73,12 +63,8 @@ class Dots3NoteAdapter(GridVisionAdapter):
                  dtype: torch.dtype) -> None:
         hidden = int(config.text_config.hidden_size)
         info = ModelInfo(name=name, family="dots3_note", modalities=MODALITIES, hidden_size=hidden)
-        size = image_processor.size
-        image_size = resize_rule(_qwen_size, image_processor,
-                                 factor=int(image_processor.patch_size) * int(image_processor.merge_size),
-                                 min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
-        super().__init__(info, vision_tower, image_processor, VideoPatcher(video_processor), image_size,
-                         run_dots3_tower, device, dtype)
+        super().__init__(info, vision_tower, image_processor, VideoPatcher(video_processor),
+                         image_size_of(image_processor), run_qwen_tower, device, dtype)
         self.encoder["audio"] = audio_tower.to(device=device, dtype=dtype).eval()
         audio = config.audio_config
         mismatched = [(what, ours, theirs) for what, ours, theirs in (

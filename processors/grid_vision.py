@@ -1,11 +1,11 @@
 """The adapter shared by vision towers fed Qwen-style patches and a `(t, h, w)` grid per item.
 
-Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers (`processors/omni.py`) cut an image
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers (`processors/omni.py`) cut an image
 or a video into `patch x patch` patches on a `t x h x w` grid (`t` counts groups of
 `temporal_patch_size` frames; an image is one group) and merge every `merge x merge` patches into one
 output row: `t * h * w / merge^2` rows per item. Images go
-through the family's PIL image processor in one call for the batch; videos through `VideoPatcher`
-(the family's video processor settings, no torchvision). What differs per family is how the image
+through the folder's image processor (as `AutoImageProcessor` resolves it) in one call for the batch;
+videos through `VideoPatcher` (the folder's video processor settings). What differs per family is how the image
 size is chosen (`image_size`) and how the tower is run (`run_tower`, which returns the rows).
 
 Rows never depend on the items fused beside them: these towers attend within each item only (or within
@@ -41,7 +41,7 @@ RunTower = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, str], torch.Te
 
 
 class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
-    """A patch-grid vision tower on images (PIL image processor) and videos (`VideoPatcher`)."""
+    """A patch-grid vision tower on images (the folder's image processor) and videos (`VideoPatcher`)."""
 
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype,

@@ -1,11 +1,10 @@
 """The qwen2_vl family: Qwen2-VL's vision tower and merger (`Qwen2VisionTransformerPretrainedModel`).
 
 Qwen2-VL has the grid, processors and tower interface of Qwen2.5-VL (`processors/qwen_vl.py`, whose
-adapter and loader this module reuses): an image is a `1 x gh x gw` patch grid, a video
-`t x gh x gw` with `temporal_patch_size` frames per temporal patch, and every `merge^2` patches
-become one row. The tower attends within each image or video only (no windows), so an item's rows
-do not depend on its batch neighbours. Its blocks have a fused `qkv` and a two-layer MLP
-(`fc1`, `fc2`), so the tensor-parallel plan is the Qwen2.5-VL one with that MLP.
+loader this module reuses): an image is a `1 x gh x gw` patch grid, a video `t x gh x gw` with
+`temporal_patch_size` frames per temporal patch, and every `merge^2` patches become one row. The tower
+attends within each image or video only (no windows), so an item's rows do not depend on its batch
+neighbours. Its blocks have a fused `qkv` and a two-layer MLP (`fc1`, `fc2`).
 """
 
 from __future__ import annotations
@@ -15,20 +14,19 @@ from typing import Any
 
 import torch
 
+from .base import EncoderAdapter
 from .family import Family
-from .qwen_vl import QwenVisionAdapter, load_qwen_vision, shard_qwen_vision
+from .grid_vision import shard_grid_blocks
+from .qwen_vl import load_qwen_vision
 
 
-def qwen2_vl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> QwenVisionAdapter:
+def qwen2_vl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:
     """The vision tower and merger of a Qwen2-VL checkpoint."""
-    from transformers import Qwen2VLConfig
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-    return load_qwen_vision(folder, device, dtype, Qwen2VLConfig, Qwen2VisionTransformerPretrainedModel, "qwen2_vl")
+    return load_qwen_vision(folder, device, dtype, "qwen2_vl")
 
 
-def shard_qwen2_vl(adapter: QwenVisionAdapter, mesh: Any) -> None:
-    shard_qwen_vision(adapter, mesh, mlp_colwise=["fc1"], mlp_rowwise=["fc2"])
+def shard_qwen2_vl(adapter: EncoderAdapter, mesh: Any) -> None:
+    shard_grid_blocks(adapter, mesh, colwise_mlp=("fc1",), rowwise_mlp=("fc2",))
 
 
 FAMILY = Family(

@@ -27,7 +27,8 @@ import torch
 
 from .base import EncoderAdapter, ModelInfo
 from .family import Family
-from .grid_vision import GridVisionAdapter, ImageSize, load_grid_tower, resize_rule, shard_grid_blocks
+from .grid_vision import GridVisionAdapter, load_grid_tower, shard_grid_blocks
+from .qwen_vl import image_size_of
 from .video_patches import VideoPatcher
 
 BUILTIN_SEED = 1234
@@ -54,20 +55,6 @@ def run_qwen3_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Te
     output = tower(pixels, grid_thw=grid)
     deepstack = list(getattr(output, "deepstack_features", None) or [])
     return torch.cat([output.pooler_output, *deepstack], dim=-1) if deepstack else output.pooler_output
-
-
-def _qwen_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-
-
-def image_size_of(image_processor: Any) -> ImageSize:
-    """How `Qwen2VLImageProcessorPil.resize` sizes an image."""
-    size = image_processor.size
-    return resize_rule(_qwen_size, image_processor,
-                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
-                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
 
 
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,

@@ -1,11 +1,16 @@
-"""Video patching exactly as `transformers`' Qwen-style video processors do it, without torchvision.
+"""Video patching exactly as `transformers`' Qwen-style video processors do it, with or without torchvision.
 
 The video processors of Qwen2-VL, Qwen3-VL and GLM-4V (`video_processing_qwen2_vl.py`,
-`video_processing_qwen3_vl.py`, `video_processing_glm4v.py`) are torchvision-only, and torchvision is
-not installed here. Their work is a few tensor operations, repeated here with torch alone, while
-every setting comes from the `transformers` video processor object itself, loaded from the folder
-as `AutoVideoProcessor` would (`load_video_processor`; instantiating it needs no torchvision, only
-running it does, except Qwen2-VL's whose module imports torchvision: a settings-only twin stands in):
+`video_processing_qwen3_vl.py`, `video_processing_glm4v.py`) are torchvision-only: where torchvision is
+installed they are what `AutoProcessor` runs, and where it is not, `transformers` has no video path for
+these models at all. `VideoPatcher` is the one video path of every family with this grid (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V, GLM-5-Next, the Omni thinkers, Dots3-Note) in both
+environments: their work is a few tensor operations, repeated here with torch alone, while every
+setting comes from the `transformers` video processor object itself, loaded from the folder as
+`AutoVideoProcessor` would (`load_video_processor`; instantiating it needs no torchvision, only
+running it does, except Qwen2-VL's whose module imports torchvision: a settings-only twin stands in).
+Its values equal those processors' own, value for value, with torchvision installed and hidden
+(`tests/test_video_parity.py`):
 
 1. the frames become a `(T, C, H, W)` uint8 tensor, as `make_batched_videos` + `_prepare_input_videos`;
 2. the clip's frame size comes from the processor class's own `resize` logic (`CLIP_SIZING`: its

@@ -85,7 +85,7 @@ def test_rows_equal_the_placeholders_the_full_processor_inserts(ckpt, tmp_path):
     reference = install_reference_processor(folder, "qwen2_vl")
     assert list(reference["files"]) == ["processor_config.json"]  # nested image and video processors
     adapter = load_checkpoint(folder, CPU, F32)
-    assert adapter.video.cap_pixels_per_frame
+    assert adapter.video.processor.cap_pixels_per_frame
     images = [random_image(w, h, i) for i, (w, h, _) in enumerate(reference["images"])]
     counts = [count for *_, count in reference["images"]]
     assert [adapter.item_layout("image", image).tokens for image in images] == counts

@@ -1,15 +1,16 @@
-"""Qwen processor settings come from where `transformers` takes them, and videos get its row counts.
+"""Qwen processor settings come from where `transformers` takes them, and videos get its rows.
 
 The video processor's settings are resolved as `get_video_processor_dict` does (nested
 `video_processor` of processor_config.json, then video_preprocessor_config.json, then
-preprocessor_config.json), with `Qwen2VLVideoProcessor`'s per-frame token cap. That processor needs
-torchvision, absent here, so its grids were computed once by `scripts/reference_video_grids.py`
-(run with torch 2.14.1 + torchvision 0.29.1 + transformers 5.23.0) and are committed below as literals.
+preprocessor_config.json), with `Qwen2VLVideoProcessor`'s per-frame token cap. Each case's clips are
+compared with what that processor itself (`AutoVideoProcessor.from_pretrained(folder)`, torchvision's)
+gives in this environment: the grids and the pixel values.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,23 +18,80 @@ import torch
 from PIL import Image
 
 from processors.registry import load_checkpoint
-from scripts.reference_video_grids import CASES, PREPROCESSOR, write_case
 
 from .checkpoints import qwen25_vl_checkpoint
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
-# Printed by `scripts/reference_video_grids.py` in the side venv of scripts/sglang_compat.sh (transformers
-# 5.23.0's Qwen2VLVideoProcessor via AutoVideoProcessor.from_pretrained(folder)): each clip's video_grid_thw.
-EXPECTED_GRIDS = {
-    'preprocessor_only': [(3, 4, 4), (2, 12, 18), (1, 4, 4), (2, 6, 34)],
-    'video_preprocessor': [(3, 6, 8), (2, 8, 12), (1, 6, 6), (2, 4, 24)],
-    'nested_processor_config': [(3, 8, 10), (2, 18, 26), (1, 8, 8), (2, 10, 50)],
-    'processor_config_without_video': [(3, 6, 8), (2, 6, 8), (1, 6, 6), (2, 2, 16)],
-    'video_config_without_size': [(2, 34, 46), (2, 20, 28)],
-    'capped': [(1, 10, 14), (5, 4, 6), (16, 2, 4), (2, 4, 20)],
-    'cap_disabled': [(1, 34, 46), (16, 34, 46)],
+MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+#: The usual layout of a published Qwen2.5-VL folder: legacy `min_pixels`/`max_pixels` keys.
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+                "min_pixels": 3136, "max_pixels": 50176, "patch_size": 14, "temporal_patch_size": 2,
+                "merge_size": 2, "image_mean": MEAN, "image_std": STD}
+
+#: Clips as (frames, width, height).
+CLIPS = [(5, 70, 50), (4, 640, 480), (2, 56, 56), (3, 1000, 200)]
+
+#: name -> (the folder's processor files, the clips to run)
+CASES: dict[str, tuple[dict[str, dict], list[tuple[int, int, int]]]] = {
+    # Only preprocessor_config.json: the video processor takes the image processor's settings.
+    "preprocessor_only": ({"preprocessor_config.json": PREPROCESSOR}, CLIPS),
+    # video_preprocessor_config.json wins over preprocessor_config.json.
+    "video_preprocessor": ({
+        "preprocessor_config.json": PREPROCESSOR,
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                           "size": {"shortest_edge": 6272, "longest_edge": 25088},
+                                           "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2},
+    }, CLIPS),
+    # The nested `video_processor` of processor_config.json wins over both files.
+    "nested_processor_config": ({
+        "preprocessor_config.json": PREPROCESSOR,
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                           "size": {"shortest_edge": 6272, "longest_edge": 25088}},
+        "processor_config.json": {"processor_class": "Qwen2_5_VLProcessor",
+                                  "video_processor": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                                      "size": {"shortest_edge": 12544, "longest_edge": 100352},
+                                                      "patch_size": 14, "temporal_patch_size": 2,
+                                                      "merge_size": 2}},
+    }, CLIPS),
+    # A processor_config.json without a nested video processor falls through to the video file
+    # (legacy `min_pixels`/`max_pixels` keys there).
+    "processor_config_without_video": ({
+        "preprocessor_config.json": PREPROCESSOR,
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                           "min_pixels": 6272, "max_pixels": 12544},
+        "processor_config.json": {"processor_class": "Qwen2_5_VLProcessor"},
+    }, CLIPS),
+    # A video config without a pixel range: the video processor's class defaults apply.
+    "video_config_without_size": ({
+        "preprocessor_config.json": PREPROCESSOR,
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor"},
+    }, [(4, 640, 480), (3, 70, 50)]),
+    # The per-frame cap: each frame gets an even share of max_video_tokens' pixels, floored at
+    # 1.05 * shortest_edge; the same frame size gives fewer rows per frame as frames are added.
+    "capped": ({
+        "preprocessor_config.json": PREPROCESSOR,
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                           "size": {"shortest_edge": 3136, "longest_edge": 602112},
+                                           "cap_pixels_per_frame": True, "max_video_tokens": 50},
+    }, [(2, 640, 480), (9, 640, 480), (32, 640, 480), (4, 1000, 200)]),
+    # cap_pixels_per_frame false: no total bound, only the per-frame range.
+    "cap_disabled": ({
+        "preprocessor_config.json": PREPROCESSOR,
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor",
+                                           "size": {"shortest_edge": 3136, "longest_edge": 602112},
+                                           "cap_pixels_per_frame": False, "max_video_tokens": 50},
+    }, [(2, 640, 480), (32, 640, 480)]),
 }
+
+
+def write_case(folder: Path, files: dict[str, dict]) -> None:
+    """The case's processor files in `folder` (any other processor file removed)."""
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json"):
+        (folder / name).unlink(missing_ok=True)
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content))
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +110,25 @@ def clip(frames: int, width: int, height: int) -> list[Image.Image]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_video_rows_equal_what_the_transformers_video_processor_gives(folder, case):
+    from transformers import AutoVideoProcessor
+
     files, clips = CASES[case]
     write_case(folder, files)
     adapter = load_checkpoint(folder, CPU, F32)
-    for (frames, width, height), want in zip(clips, EXPECTED_GRIDS[case], strict=True):
-        layout = adapter.item_layout("video", clip(frames, width, height))
-        assert layout.grid_thw == want, (case, frames, width, height)
-        assert layout.tokens == want[0] * want[1] * want[2] // 4
+    reference = AutoVideoProcessor.from_pretrained(folder)
+    assert type(reference).__name__ == "Qwen2VLVideoProcessor", type(reference)
     small = [i for i, (frames, width, height) in enumerate(clips) if frames * width * height <= 5 * 640 * 480]
-    items = [clip(*clips[i]) for i in small]
-    batch = adapter.preprocess("video", items)
-    assert [layout.grid_thw for layout in batch.layouts] == [EXPECTED_GRIDS[case][i] for i in small]
+    for index, (frames, width, height) in enumerate(clips):
+        video = clip(frames, width, height)
+        want = reference(videos=[video], do_sample_frames=False, return_tensors="pt")
+        grid = tuple(want["video_grid_thw"][0].tolist())
+        layout = adapter.item_layout("video", video)
+        assert layout.grid_thw == grid, (case, frames, width, height)
+        assert layout.tokens == grid[0] * grid[1] * grid[2] // 4
+        if index in small:
+            assert torch.equal(adapter.preprocess("video", [video]).inputs["pixel_values"],
+                               want["pixel_values_videos"]), (case, frames, width, height)
+    batch = adapter.preprocess("video", [clip(*clips[i]) for i in small])
     assert adapter.forward(batch).shape[0] == batch.total_tokens
 
 
@@ -85,7 +151,7 @@ def test_image_settings_come_from_the_nested_processor_config_first(folder):
         reference = AutoImageProcessor.from_pretrained(folder)
     finally:
         write_case(folder, {"preprocessor_config.json": PREPROCESSOR})
-    assert (adapter.min_pixels, adapter.max_pixels) == (6272, 12544)
+    assert (adapter.image_size.keywords["min_pixels"], adapter.image_size.keywords["max_pixels"]) == (6272, 12544)
     images = [clip(1, width, height)[0] for width, height in ((640, 480), (56, 56), (300, 90))]
     want = reference(images=images, return_tensors="pt")["image_grid_thw"].tolist()
     assert [list(adapter.item_layout("image", image).grid_thw) for image in images] == want
