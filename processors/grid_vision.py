@@ -1,7 +1,7 @@
 """The adapter shared by vision towers fed Qwen-style patches and a `(t, h, w)` grid per item.
 
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers (`processors/omni.py`) cut an image
-or a video into `patch x patch` patches on a `t x h x w` grid (`t` counts groups of
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers
+(`processors/omni.py`) cut an image or a video into `patch x patch` patches on a `t x h x w` grid (`t` counts groups of
 `temporal_patch_size` frames; an image is one group) and merge every `merge x merge` patches into one
 output row: `t * h * w / merge^2` rows per item. Images go
 through the folder's image processor (as `AutoImageProcessor` resolves it) in one call for the batch;
