@@ -1093,6 +1093,7 @@ class LanguageRow:
     placeholders: int | None = None  # placeholder tokens in the input_ids SGLang's processor built
     same_input_ids: bool | None = None  # those input_ids equal transformers' processor's for the same media
     timestamps: str = "-"  # the `<t seconds>` SGLang wrote (Qwen3-VL, Qwen3.5 videos), or "none"
+    own: float | None = None  # max relative difference of our rows from the model's own features, or None
     detail: str = ""
 
 
@@ -1145,11 +1146,34 @@ class ServedModel:
         if sglang_model_type != model_type:
             raise RuntimeError(f"SGLang reads the folder as {sglang_model_type}, not {model_type}")
         self.hf_processor = AutoProcessor.from_pretrained(folder)
+        self.reference_model = None  # the whole model, loaded when rows are compared with its own features
         settings = httpx.get(server.url + "/server_info", timeout=30).json()["settings"]
         self.video_fps = float(settings["video_fps"])
 
     def token_id(self, modality: str) -> int:
         return self.hf_processor.tokenizer.convert_tokens_to_ids(self.prompts.token[modality])
+
+    def own_rows(self, modality: str, inputs) -> object:
+        """The model's own features (`transformers`, the whole model loaded from the folder) for what its processor
+        made of the media: the rows the language model receives in a monolithic server. None where the model has
+        no `get_image_features` / `get_video_features` taking the processor's pixels and grid."""
+        import torch
+        from transformers import AutoModelForImageTextToText
+
+        keys = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+        if modality not in keys or not all(key in inputs for key in keys[modality]):
+            return None
+        if self.reference_model is None:
+            self.reference_model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=torch.float32).eval()
+        owner = getattr(self.reference_model, "model", self.reference_model)
+        pixels, grid = (inputs[key] for key in keys[modality])
+        with torch.no_grad():
+            out = getattr(owner, f"get_{modality}_features")(pixels, grid)
+        main = getattr(out, "pooler_output", out)
+        main = torch.cat(list(main)) if isinstance(main, (list, tuple)) else main
+        deepstack = [torch.cat(list(level)) if isinstance(level, (list, tuple)) else level
+                     for level in getattr(out, "deepstack_features", None) or []]
+        return torch.cat([main, *deepstack], dim=-1) if deepstack else main
 
 
 def ours(model: ServedModel, modality: str, items: list) -> dict:
@@ -1201,8 +1225,15 @@ def check_language_side(model: ServedModel, modality: str, items: list, transfor
     (merged_modality, merged_rows), = merged.items()
     merged_bytes = merged_rows.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     same_bytes = merged_modality.name.lower() == modality and merged_bytes == base64.b64decode(reference["embedding"])
-    expected = model.hf_processor(text=[prompt], return_tensors="pt", **transformers_media)["input_ids"][0].tolist()
+    processed = model.hf_processor(text=[prompt], return_tensors="pt", **transformers_media)
+    expected = processed["input_ids"][0].tolist()
     same_ids = list(output.input_ids) == expected
+    own, own_ok = model.own_rows(modality, processed), True
+    if own is not None:
+        ours_rows = torch.frombuffer(bytearray(base64.b64decode(reference["embedding"])), dtype=torch.float32)
+        ours_rows = ours_rows.reshape(reference["embedding_shape"])
+        own = float((ours_rows - own).norm() / own.norm()) if own.shape == ours_rows.shape else float("inf")
+        own_ok = own <= 1e-5
     tokenizer = model.hf_processor.tokenizer
     written = prompt_timestamps(tokenizer.decode(list(output.input_ids)))
     if timestamps:
@@ -1212,12 +1243,13 @@ def check_language_side(model: ServedModel, modality: str, items: list, transfor
     else:
         stamps_ok, stamps = not written, "none"
     fields = {key: plain(value) for key, value in received.meta.items() if value is not None}
-    ok = placeholders == rows and same_bytes and same_ids and stamps_ok
+    ok = placeholders == rows and same_bytes and same_ids and stamps_ok and own_ok
     detail = (f"{len(items)} item(s), our rows {rows}, SGLang's prompt {placeholders} placeholders; merged rows "
-              f"{'identical to ours' if same_bytes else 'DIFFERENT from ours'}; input_ids "
+              f"{'identical to ours' if same_bytes else 'DIFFERENT from ours'}; the model's own features on "
+              f"transformers' processor output: {'-' if own is None else f'rel {own:.1e}'}; input_ids "
               f"{'equal' if same_ids else 'DIFFER from'} transformers'; timestamps {stamps}"
               f"{'' if stamps_ok else ' (MISMATCH with transformers or ours)'}; received {fields}")
-    return LanguageRow(model.architecture, modality, ok, rows, placeholders, same_ids, stamps, detail)
+    return LanguageRow(model.architecture, modality, ok, rows, placeholders, same_ids, stamps, own, detail)
 
 
 def plain(value):
@@ -1333,12 +1365,13 @@ def language_side(model_types: list[str] | None = None) -> None:
 
 def print_language_table() -> None:
     print("\n| architecture | modality | our rows | SGLang placeholders | input_ids = transformers' "
-          "| timestamps in SGLang's prompt | result |\n| --- | --- | --- | --- | --- | --- | --- |")
+          "| timestamps in SGLang's prompt | our rows against the model's own features (max rel) | result |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in LANGUAGE_RESULTS:
         same = "-" if row.same_input_ids is None else ("yes" if row.same_input_ids else "NO")
         print(f"| {row.architecture} | {row.modality} | {row.rows if row.rows is not None else '-'} | "
               f"{row.placeholders if row.placeholders is not None else '-'} | {same} | {row.timestamps} | "
-              f"{'PASS' if row.ok else 'FAIL'} |")
+              f"{'-' if row.own is None else f'{row.own:.1e}'} | {'PASS' if row.ok else 'FAIL'} |")
 
 
 def main() -> int:
