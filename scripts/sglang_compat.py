@@ -1157,23 +1157,14 @@ class ServedModel:
         """The model's own features (`transformers`, the whole model loaded from the folder) for what its processor
         made of the media: the rows the language model receives in a monolithic server. None where the model has
         no `get_image_features` / `get_video_features` taking the processor's pixels and grid."""
-        import torch
-        from transformers import AutoModelForImageTextToText
+        from scripts.model_reference import own_features, whole_model
 
         keys = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
         if modality not in keys or not all(key in inputs for key in keys[modality]):
             return None
         if self.reference_model is None:
-            self.reference_model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=torch.float32).eval()
-        owner = getattr(self.reference_model, "model", self.reference_model)
-        pixels, grid = (inputs[key] for key in keys[modality])
-        with torch.no_grad():
-            out = getattr(owner, f"get_{modality}_features")(pixels, grid)
-        main = getattr(out, "pooler_output", out)
-        main = torch.cat(list(main)) if isinstance(main, (list, tuple)) else main
-        deepstack = [torch.cat(list(level)) if isinstance(level, (list, tuple)) else level
-                     for level in getattr(out, "deepstack_features", None) or []]
-        return torch.cat([main, *deepstack], dim=-1) if deepstack else main
+            self.reference_model = whole_model(self.folder)
+        return own_features(self.reference_model, modality, *(inputs[key] for key in keys[modality]))
 
 
 def ours(model: ServedModel, modality: str, items: list) -> dict:

@@ -279,18 +279,14 @@ class Consumer:
         processor made of video `index`: the rows its language model receives in a monolithic vLLM. None where the
         model has no `get_video_features(pixel_values_videos, video_grid_thw)`."""
         import torch
-        from transformers import AutoModelForImageTextToText
+
+        from scripts.model_reference import own_features, whole_model
 
         data = processed["mm_kwargs"]["video"][index].get_data()
         if "pixel_values_videos" not in data or "video_grid_thw" not in data:
             return None
         if self.reference_model is None:
-            self.reference_model = AutoModelForImageTextToText.from_pretrained(self.model, dtype=torch.float32).eval()
-        owner = next((part for part in (self.reference_model, getattr(self.reference_model, "model", None),
-                                        getattr(self.reference_model, "thinker", None))
-                      if part is not None and hasattr(part, "get_video_features")), None)
-        if owner is None:
-            return None
+            self.reference_model = whole_model(self.model)
         pixels = data["pixel_values_videos"]
         if pixels.dtype == torch.uint8:  # vLLM 0.33 rescales and normalises on the device, in the model's forward
             from vllm.config import set_current_vllm_config
@@ -298,14 +294,7 @@ class Consumer:
 
             with set_current_vllm_config(self.vllm_config):
                 pixels = build_mm_input_norm(self.model_config)(pixels, torch.float32)  # as the vision tower calls it
-        with torch.no_grad():
-            out = owner.get_video_features(pixel_values_videos=pixels,
-                                           video_grid_thw=data["video_grid_thw"].reshape(-1, 3))
-        main = getattr(out, "pooler_output", out)
-        main = torch.cat(list(main)) if isinstance(main, (list, tuple)) else main
-        deepstack = [torch.cat(list(level)) if isinstance(level, (list, tuple)) else level
-                     for level in getattr(out, "deepstack_features", None) or []]
-        return torch.cat([main, *deepstack], dim=-1) if deepstack else main
+        return own_features(self.reference_model, "video", pixels, data["video_grid_thw"].reshape(-1, 3))
 
     def identifiers(self, body: dict) -> list[str]:
         mm_data, mm_uuids = self.parse(body)
