@@ -90,9 +90,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 group.stop()
             sys.exit(f"encode-server: {exc}")
     app = create_app(settings, adapter, group)
+    # proxy_headers off: a client's address is its connection's peer, never an X-Forwarded-For header
+    # (--api-key-exempt-cidrs judges it).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=settings.keep_alive_timeout_s)
+                            timeout_keep_alive=settings.keep_alive_timeout_s, proxy_headers=False)
     housekeeper = Housekeeper(settings.housekeeping_interval_s, busy=lambda: _pending(app) > 0,
                               on_run=lambda *figures: _record_housekeeping(app, *figures))
     housekeeper.start()
