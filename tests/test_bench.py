@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from encode_server.bench.__main__ import main
+from encode_server.ops.settings import Settings
 
 from .helpers import ServerProcess, python_module, run_python_module
 
@@ -27,7 +28,25 @@ def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path, monkeyp
     assert all(p["errors"] == 0 and p["throughput_rps"] > 0 and p["p99_ms"] >= p["p50_ms"] > 0 for p in points)
     assert all(p["mean_batch_size"] == 1.0 for p in points if p["config"] == "off")
     assert results["ceiling"]["forward_only_rps"] > results["ceiling"]["processor_and_forward_rps"] > 0
+    import torch
+
+    if not torch.cuda.is_available():
+        assert results["ceiling"]["threads"] == Settings().cpu_threads_per_rank(1)  # the servers' own thread rule
     assert sum(results["batch_histograms"]["off"].values()) >= 12
+
+
+def test_the_ceiling_runs_on_the_threads_the_server_would_and_gives_the_rest_back():
+    import torch
+
+    from encode_server.bench.ceiling import ceiling
+    from encode_server.bench.load import make_payloads
+
+    before = torch.get_num_threads()
+    settings = Settings(cpu_threads=3)  # more than half of a 2-core machine's: a setting, not the default
+    result = ceiling("tiny-qwen2.5-vl", "image", make_payloads("image", 4, 56, 1.0), 4, seconds=0.2,
+                     settings=settings)
+    assert result["threads"] == (3 if not torch.cuda.is_available() else before)  # on a GPU: untouched
+    assert torch.get_num_threads() == before
 
 
 def test_ray_peer_is_skipped_cleanly_without_ray(tmp_path, monkeypatch):
