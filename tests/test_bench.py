@@ -104,3 +104,27 @@ def test_bench_against_a_running_server_measures_the_encoder_not_its_cache(tmp_p
         repeated, results = bench("--requests", "64", "--repeat-media")
         assert results["hit_rate"] > 0.5 and "the figures measure the cache" in repeated.stdout
         assert "warning: the server's embedding cache answered" in repeated.stderr
+
+
+def test_the_mixed_benchmark_prints_the_tables_the_docs_show(capsys, monkeypatch):
+    """`python -m encode_server.bench.mixed wait` (tiny numbers, its server forked from the test zygote) ends
+    with the Markdown table of docs/BENCHMARKS.md, not JSON; `--json` gives the JSON."""
+    from encode_server.bench import mixed
+    from encode_server.bench.launcher import ServerProcess as Launcher
+    from encode_server.bench.mixed_tables import mixed_table
+
+    monkeypatch.setattr(Launcher, "start_process", lambda launcher: python_module(
+        launcher.module, *launcher.args, environment=launcher.env, stderr_to_stdout=True))
+    mixed.main(["wait", "--waits", "0", "--concurrency", "1,2", "--requests", "8"])
+    out = capsys.readouterr().out
+    table = out[out.index("| `--max-wait-ms` |"):].splitlines()
+    assert table[0] == "| `--max-wait-ms` | c=1 req/s (p99 ms) | c=2 req/s (p99 ms) | mean batch c=1 / c=2 | errors |"
+    assert table[2].startswith("| 0 | ") and table[2].endswith(" | 0 |") and len(table) == 3
+    assert "--max-wait-ms 0, c=2: " in out and not out.lstrip().startswith("{")
+
+    median = {arm: {"interactive_p50_ms": 10.0, "interactive_p99_ms": 30.0, "offline_rps": 500.0, "total_rps": 600.0,
+                    "interactive_errors": 0, "interactive_requests": 90} for arm in ("idle", "fifo", "priority")}
+    rows = mixed_table({"off": {"capacity_rps": 650.0, "median": median}}).splitlines()
+    assert rows[0].startswith("| cache | capacity (req/s) | arm | interactive p50 (ms) | interactive p99 (ms) |")
+    assert rows[2] == "| off | 650.0 | idle | 10.0 | 30.0 | - | 600.0 | 0 of 90 |"
+    assert rows[3] == "|  |  | fifo | 10.0 | 30.0 | 500.0 | 600.0 | 0 of 90 |"
