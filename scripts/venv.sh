@@ -24,7 +24,7 @@ stamp_value() {
 }
 
 pyproject_hash() {
-    sha256sum pyproject.toml | cut -d ' ' -f 1
+    { sha256sum pyproject.toml 2>/dev/null || shasum -a 256 pyproject.toml; } | cut -d ' ' -f 1
 }
 
 # 0 when the installed torch and torchvision are the pinned ones from the index asked for (any index
@@ -68,12 +68,18 @@ setup_failed() {
     exit 1
 }
 
+venv_failed() {
+    say "could not create $VENV with python3 -m venv (message above): install Python 3.10 or later with its" \
+        "venv module (Debian and Ubuntu: apt-get install python3-venv), then run this script again."
+    exit 1
+}
+
 ensure_venv() {
     venv_current "$@" && return 0
     local started=$SECONDS extras target index
     if [ ! -x "$VENV/bin/python" ]; then
         say "creating $VENV (first run only; later starts skip the set-up until pyproject.toml changes)"
-        python3 -m venv "$VENV" || setup_failed
+        python3 -m venv "$VENV" || venv_failed
     fi
     index=$(stamp_value torch_index)
     if ! torch_current; then

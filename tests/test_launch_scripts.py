@@ -123,5 +123,12 @@ def test_a_failed_install_says_what_to_do_and_leaves_no_stamp(repo):
     assert calls(repo)[-2:] == [TORCH, "-m pip install --disable-pip-version-check -e ."]  # tried again in full
 
 
+def test_a_python_without_venv_is_told_what_to_install(repo):
+    (repo / "fakebin" / "python3").write_text("#!/usr/bin/env bash\necho 'ensurepip is not available' >&2; exit 1\n")
+    failed = run(repo, "serve.sh")
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert "could not create .venv" in failed.stderr and "apt-get install python3-venv" in failed.stderr
+
+
 def test_ci_runs_the_readme_test_command():
     assert "bash scripts/test.sh -q -p no:cacheprovider" in (ROOT / ".ci" / "run").read_text()
