@@ -26,6 +26,7 @@ def busy_port():
 
 @pytest.mark.parametrize("extra", [(), ("--dp-size", "2")], ids=["single", "data-parallel"])
 def test_a_busy_port_exits_1_with_one_line_before_the_model_loads(busy_port, extra):
+    assert run_python_module("encode_server", "--version", timeout=120).returncode == 0  # the zygote is up
     started = time.monotonic()
     done = run_python_module("encode_server", "--host", "127.0.0.1", "--port", str(busy_port),
                              "--log-level", "info", *extra, timeout=60)
@@ -38,7 +39,7 @@ def test_a_busy_port_exits_1_with_one_line_before_the_model_loads(busy_port, ext
     # Nothing of the start-up ran: no model resolved or loaded, no rank started (they log at INFO).
     assert "resolving model" not in done.stderr and "loading model" not in done.stderr, done.stderr
     assert "ranks" not in done.stderr, done.stderr
-    assert elapsed < 15, elapsed  # a fork and a bind; the model load alone is longer than this on a busy machine
+    assert elapsed < 10, elapsed  # a fork, the flags and a bind (a model load and warm-up take longer)
 
 
 def test_the_early_sockets_are_the_ones_that_serve():
