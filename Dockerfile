@@ -3,10 +3,18 @@
 #   docker build -t registry.example.com/encode-server:0.1.0 .
 #
 # (registry.example.com: your registry; deploy/kubernetes/encode-server.yaml runs the same image name.)
-# Run it with the NVIDIA container toolkit, the model folder mounted read-only; arguments after the image
-# name go to encode-server, and every flag can also be an ENCODER_* variable (docker run -e ...):
+# Run it with the NVIDIA container toolkit; arguments after the image name go to encode-server, and every
+# flag can also be an ENCODER_* variable (docker run -e ...). A Hub id is downloaded (only the encoder's
+# tensors) into HF_HOME=/cache/huggingface: keep /cache on a named volume, or every new container downloads
+# again. Give /dev/shm room (docker's default is 64 MiB; tensor-parallel ranks and --preprocess-workers
+# need more):
 #
-#   docker run --gpus all --init --stop-timeout 60 -p 30000:30000 -v /models:/models:ro \
+#   docker run --gpus all --init --stop-timeout 60 --shm-size 8g -p 30000:30000 -v encode-server-hf:/cache \
+#     registry.example.com/encode-server:0.1.0 --model Qwen/Qwen2.5-VL-7B-Instruct
+#
+# or with a checkpoint folder of your own, mounted read-only:
+#
+#   docker run --gpus all --init --stop-timeout 60 --shm-size 8g -p 30000:30000 -v /models:/models:ro \
 #     registry.example.com/encode-server:0.1.0 --model /models/Qwen2.5-VL-7B-Instruct
 #
 # The server listens on 0.0.0.0:30000 (ENCODER_HOST, ENCODER_PORT below; the health check reads
@@ -54,12 +62,17 @@ RUN pip install ".[video,vllm]" \
     && python -c "import torch, encode_server; print('encode-server', encode_server.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda)" \
     && rm -rf /tmp/encode-server
 
-RUN useradd --system --create-home encoder
+# A fixed uid and gid (10001), which Kubernetes' securityContext names (deploy/kubernetes/encode-server.yaml);
+# /cache holds HF_HOME, owned by that user so that a new named volume mounted there is writable too.
+RUN groupadd --system --gid 10001 encoder \
+    && useradd --system --uid 10001 --gid encoder --create-home encoder \
+    && mkdir -p /cache/huggingface && chown -R encoder:encoder /cache
 USER encoder
 WORKDIR /home/encoder
 
 ENV ENCODER_HOST=0.0.0.0 \
-    ENCODER_PORT=30000
+    ENCODER_PORT=30000 \
+    HF_HOME=/cache/huggingface
 EXPOSE 30000
 STOPSIGNAL SIGTERM
 # /health answers 200 once the model is loaded and a tiny input goes through it; loading a large model

@@ -29,6 +29,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from encode_server.http.listen import ListenError, open_listeners
+
+    try:  # before the model loads (minutes for a large one): a busy port is known at once
+        listeners = open_listeners(settings.host, settings.port)
+    except ListenError as exc:
+        sys.exit(f"encode-server: {exc}")
     import uvicorn  # imported late so that --help answers fast
 
     from encode_server.http.app import create_app
@@ -84,14 +90,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 group.stop()
             sys.exit(f"encode-server: {exc}")
     app = create_app(settings, adapter, group)
+    # proxy_headers off: a client's address is its connection's peer, never an X-Forwarded-For header
+    # (--api-key-exempt-cidrs judges it).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=settings.keep_alive_timeout_s)
+                            timeout_keep_alive=settings.keep_alive_timeout_s, proxy_headers=False)
     housekeeper = Housekeeper(settings.housekeeping_interval_s, busy=lambda: _pending(app) > 0,
                               on_run=lambda *figures: _record_housekeeping(app, *figures))
     housekeeper.start()
     try:
-        DrainingServer(config, app, settings.drain_timeout_s).run()
+        DrainingServer(config, app, settings.drain_timeout_s).run(sockets=listeners)
     finally:
         housekeeper.stop()
 
@@ -129,8 +137,10 @@ class DrainingServer:
 
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets=sockets)
-                if self.started:  # listening: tell supervisors (and the test launcher) at any log level
-                    print(f"{READY_LINE} http://{config.host}:{config.port} (started in "
+                if self.started:  # serving: tell supervisors (and the test launcher) at any log level
+                    port = sockets[0].getsockname()[1] if sockets else config.port
+                    host = f"[{config.host}]" if ":" in config.host else config.host
+                    print(f"{READY_LINE} http://{host}:{port} (started in "
                           f"{time.monotonic() - encode_server.IMPORTED_AT:.1f} s)", file=sys.stderr, flush=True)
 
             def handle_exit(self, sig, frame) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from encode_server.bench.__main__ import main
+from encode_server.ops.settings import Settings
 
 from .helpers import ServerProcess, python_module, run_python_module
 
@@ -27,7 +28,25 @@ def test_bench_smoke_run_writes_results_for_each_configuration(tmp_path, monkeyp
     assert all(p["errors"] == 0 and p["throughput_rps"] > 0 and p["p99_ms"] >= p["p50_ms"] > 0 for p in points)
     assert all(p["mean_batch_size"] == 1.0 for p in points if p["config"] == "off")
     assert results["ceiling"]["forward_only_rps"] > results["ceiling"]["processor_and_forward_rps"] > 0
+    import torch
+
+    if not torch.cuda.is_available():
+        assert results["ceiling"]["threads"] == Settings().cpu_threads_per_rank(1)  # the servers' own thread rule
     assert sum(results["batch_histograms"]["off"].values()) >= 12
+
+
+def test_the_ceiling_runs_on_the_threads_the_server_would_and_gives_the_rest_back():
+    import torch
+
+    from encode_server.bench.ceiling import ceiling
+    from encode_server.bench.load import make_payloads
+
+    before = torch.get_num_threads()
+    settings = Settings(cpu_threads=3)  # more than half of a 2-core machine's: a setting, not the default
+    result = ceiling("tiny-qwen2.5-vl", "image", make_payloads("image", 4, 56, 1.0), 4, seconds=0.2,
+                     settings=settings)
+    assert result["threads"] == (3 if not torch.cuda.is_available() else before)  # on a GPU: untouched
+    assert torch.get_num_threads() == before
 
 
 def test_ray_peer_is_skipped_cleanly_without_ray(tmp_path, monkeypatch):
@@ -85,3 +104,27 @@ def test_bench_against_a_running_server_measures_the_encoder_not_its_cache(tmp_p
         repeated, results = bench("--requests", "64", "--repeat-media")
         assert results["hit_rate"] > 0.5 and "the figures measure the cache" in repeated.stdout
         assert "warning: the server's embedding cache answered" in repeated.stderr
+
+
+def test_the_mixed_benchmark_prints_the_tables_the_docs_show(capsys, monkeypatch):
+    """`python -m encode_server.bench.mixed wait` (tiny numbers, its server forked from the test zygote) ends
+    with the Markdown table of docs/BENCHMARKS.md, not JSON; `--json` gives the JSON."""
+    from encode_server.bench import mixed
+    from encode_server.bench.launcher import ServerProcess as Launcher
+    from encode_server.bench.mixed_tables import mixed_table
+
+    monkeypatch.setattr(Launcher, "start_process", lambda launcher: python_module(
+        launcher.module, *launcher.args, environment=launcher.env, stderr_to_stdout=True))
+    mixed.main(["wait", "--waits", "0", "--concurrency", "1,2", "--requests", "8"])
+    out = capsys.readouterr().out
+    table = out[out.index("| `--max-wait-ms` |"):].splitlines()
+    assert table[0] == "| `--max-wait-ms` | c=1 req/s (p99 ms) | c=2 req/s (p99 ms) | mean batch c=1 / c=2 | errors |"
+    assert table[2].startswith("| 0 | ") and table[2].endswith(" | 0 |") and len(table) == 3
+    assert "--max-wait-ms 0, c=2: " in out and not out.lstrip().startswith("{")
+
+    median = {arm: {"interactive_p50_ms": 10.0, "interactive_p99_ms": 30.0, "offline_rps": 500.0, "total_rps": 600.0,
+                    "interactive_errors": 0, "interactive_requests": 90} for arm in ("idle", "fifo", "priority")}
+    rows = mixed_table({"off": {"capacity_rps": 650.0, "median": median}}).splitlines()
+    assert rows[0].startswith("| cache | capacity (req/s) | arm | interactive p50 (ms) | interactive p99 (ms) |")
+    assert rows[2] == "| off | 650.0 | idle | 10.0 | 30.0 | - | 600.0 | 0 of 90 |"
+    assert rows[3] == "|  |  | fifo | 10.0 | 30.0 | 500.0 | 600.0 | 0 of 90 |"

@@ -1,7 +1,9 @@
-"""The deployment files parse, configure the server only through settings it has, and fit together: the
-Kubernetes manifest runs the image the Dockerfile documents building, addresses each pod by its own name,
-and scrapes /metrics on the server's port; the Dockerfile's health check works against a real server.
-(No Docker engine here: the image itself is not built by the tests.)"""
+"""The deployment files parse, configure the server only through settings it has, and fit together: every
+Kubernetes document validates against the Kubernetes API's own schema (kubernetes-validate's bundled
+OpenAPI schemas, strict: an unknown field fails), the manifest applies as shipped (the API key's Secret is
+optional), runs the image the Dockerfile documents building, addresses each pod by its own name, gives a
+slow start time before liveness counts, and scrapes /metrics on the server's port; the Dockerfile's health
+check works against a real server. (No Docker engine or cluster here: neither is run by the tests.)"""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import re
 import subprocess
 import sys
 
+import kubernetes_validate
+import pytest
 import yaml
 
+from encode_server.ops.setting_values import exempt_networks, in_networks
 from encode_server.ops.settings import OPTIONS
 
 from .helpers import ROOT, ServerProcess, free_port
@@ -33,7 +38,12 @@ def test_shell_scripts_are_valid_and_use_real_flags():
             assert flag in KNOWN_FLAGS, f"{script.name}: unknown flag {flag}"
 
 
-MANIFEST = DEPLOY / "kubernetes" / "encode-server.yaml"
+KUBERNETES = DEPLOY / "kubernetes"
+MANIFEST = KUBERNETES / "encode-server.yaml"
+#: Every Kubernetes file shipped (examples included), each document of each checked.
+KUBERNETES_FILES = sorted(KUBERNETES.rglob("*.yaml")) + sorted(KUBERNETES.rglob("*.yml"))
+#: The oldest Kubernetes release the manifests are checked against, and the newest kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 DOCKERFILE = ROOT / "Dockerfile"
 
 
@@ -62,13 +72,109 @@ def documented_build_tag(text: str) -> str:
     return tags[0]
 
 
+@pytest.mark.parametrize("path", KUBERNETES_FILES, ids=lambda path: str(path.relative_to(KUBERNETES)))
+def test_every_kubernetes_document_validates_against_the_schema(path):
+    documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    assert documents, f"{path.name} holds no document"
+    for document in documents:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_the_schema_check_catches_a_mistake():
+    """The validator is no rubber stamp: a misspelt field and a string where a number belongs both fail."""
+    statefulset = manifest()["StatefulSet"]
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    key = next(entry for entry in container["env"] if entry["name"] == "ENCODER_API_KEY")
+    key["valueFrom"]["secretKeyRef"]["optinal"] = True
+    with pytest.raises(kubernetes_validate.ValidationError, match="optinal"):
+        kubernetes_validate.validate(statefulset, KUBERNETES_VERSIONS[-1], strict=True)
+    del key["valueFrom"]["secretKeyRef"]["optinal"]
+    container["readinessProbe"]["failureThreshold"] = "3"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(statefulset, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def container_of(kinds: dict) -> dict:
+    return kinds["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_manifest_starts_without_a_secret_and_the_example_secret_fits_it():
+    """Applied as shipped, no Secret exists: the key is optional, so pods start (no CreateContainerConfigError).
+    The example Secret has the name and key the manifest reads."""
+    env = {entry["name"]: entry for entry in container_of(manifest())["env"]}
+    reference = env["ENCODER_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert reference["optional"] is True
+    (secret,) = yaml.safe_load_all((KUBERNETES / "examples" / "api-key-secret.yaml").read_text())
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == reference["name"]
+    assert reference["key"] in secret["stringData"]
+    assert "kubectl create secret generic encode-server --from-literal=api-key=" in MANIFEST.read_text()
+
+
+def test_sglang_and_vllm_callers_are_exempt_from_the_key_and_the_network_policy_admits_only_clients():
+    """SGLang 0.5.23's receiver and vLLM's proxy send no Authorization header: the manifest exempts a pod
+    network (kubeadm's default here), and its NetworkPolicy is what keeps everyone else off the encoders."""
+    kinds = manifest()
+    env = {entry["name"]: entry.get("value") for entry in container_of(kinds)["env"]}
+    networks = exempt_networks(env["ENCODER_API_KEY_EXEMPT_CIDRS"])
+    assert in_networks("10.244.1.17", networks) and not in_networks("192.168.1.1", networks)
+    policy = kinds["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == kinds["StatefulSet"]["spec"]["selector"]["matchLabels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": int(env["ENCODER_PORT"])}]
+    assert {"namespaceSelector": {}, "podSelector": {"matchLabels": {"encode-server-client": "true"}}} in rule["from"]
+
+
+def test_probes_give_a_slow_start_time_and_readiness_tolerates_a_blip():
+    container = container_of(manifest())
+    startup, readiness, liveness = (container[name] for name in ("startupProbe", "readinessProbe", "livenessProbe"))
+    for probe in (startup, readiness, liveness):
+        assert probe["httpGet"] == {"path": "/health", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # a Hub download and a large tower
+    assert readiness["failureThreshold"] > 1
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
+    assert "initialDelaySeconds" not in liveness  # the startupProbe holds liveness off instead
+
+
+def test_resources_shared_memory_and_the_hub_cache():
+    kinds = manifest()
+    pod = kinds["StatefulSet"]["spec"]["template"]["spec"]
+    container = container_of(kinds)
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory", "nvidia.com/gpu"} <= set(container["resources"][kind])
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    env = {entry["name"]: entry.get("value") for entry in container["env"]}
+    hf_home = env["HF_HOME"]
+    (cache_mount,) = [path for path in mounts if hf_home.startswith(path.rstrip("/") + "/")]
+    templates = {claim["metadata"]["name"] for claim in kinds["StatefulSet"]["spec"]["volumeClaimTemplates"]}
+    assert mounts[cache_mount] in templates  # a volume of each pod's own, kept across restarts
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True and security["fsGroup"] == security["runAsGroup"]
+
+
+def test_docker_run_advice_gives_shared_memory_and_a_hub_cache_volume():
+    dockerfile = DOCKERFILE.read_text()
+    env = " ".join(rest for keyword, rest in dockerfile_instructions() if keyword == "ENV")
+    hf_home = re.search(r"HF_HOME=(\S+)", env).group(1)
+    uid = manifest()["StatefulSet"]["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    assert f"--uid {uid}" in dockerfile
+    for text in (dockerfile, (DEPLOY / "README.md").read_text(), (ROOT / "docs" / "DEPLOYMENT.md").read_text()):
+        runs = [line for line in text.splitlines() if "docker run --gpus" in line]
+        assert runs and all("--shm-size" in line for line in runs), runs
+        targets = re.findall(r"-v \S+?:(/[^\s:]+)", text)
+        assert any(hf_home.startswith(target + "/") for target in targets), "a volume for HF_HOME"
+
+
 def test_kubernetes_statefulset_probes_health_and_sets_known_variables():
     kinds = manifest()
-    assert set(kinds) == {"StatefulSet", "Service"}
+    assert set(kinds) == {"StatefulSet", "Service", "NetworkPolicy"}
     container = kinds["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    names = {entry["name"] for entry in container["env"]}
+    names = {entry["name"] for entry in container["env"]} - {"HF_HOME"}
     assert names and names <= KNOWN_VARIABLES, names - KNOWN_VARIABLES
     assert kinds["Service"]["spec"]["selector"] == kinds["StatefulSet"]["spec"]["selector"]["matchLabels"]
 

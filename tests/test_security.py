@@ -28,9 +28,10 @@ from encode_server.media.url_guard import (
     content_type_refusal,
     resolve_local_path,
 )
-from encode_server.ops.settings import Settings
+from encode_server.ops.setting_values import exempt_networks, in_networks
+from encode_server.ops.settings import Settings, load_settings
 
-from .helpers import InProcessServer, image_b64, png_bytes
+from .helpers import InProcessServer, ServerProcess, image_b64, png_bytes
 
 # --- the address policy, decided without any connection ---------------------------------------
 
@@ -380,6 +381,43 @@ def test_api_key_guards_every_endpoint_but_health_and_metrics():
         info = httpx.get(server.url + "/server_info", headers=auth).json()
         assert "s3cret" not in json.dumps(info)
         assert "s3cret" not in httpx.get(server.url + "/metrics").text
+
+
+def test_api_key_exempt_cidrs_let_a_network_without_a_key_and_nobody_else():
+    """SGLang's prefill ranks and vLLM's proxy send no Authorization header: their network is exempted. Real HTTP
+    on loopback: from 127.0.0.1, exempted by 127.0.0.0/8, asked for the key when only 10.0.0.0/8 is exempt."""
+    body = {"req_id": "x", "modality": "image", "mm_items": [image_b64(56, 56)]}
+    registration = {"req_id": "x2", "receive_url": "127.0.0.1:1", "receive_count": 1}
+    with InProcessServer("--api-key", "s3cret", "--api-key-exempt-cidrs", "10.0.0.0/8, 127.0.0.0/8") as server:
+        assert httpx.post(server.url + "/encode", json=body).status_code == 200  # as SGLang's receiver sends it
+        assert httpx.post(server.url + "/scheduler_receive_url", json=registration).status_code == 200
+        assert httpx.get(server.url + "/server_info").status_code == 200
+
+
+def test_outside_the_exempt_networks_the_key_is_asked_and_a_forwarded_header_does_not_help():
+    """The real server (its own uvicorn settings): the address judged is the connection's, not X-Forwarded-For."""
+    body = {"req_id": "y", "modality": "image", "mm_items": [image_b64(56, 56)]}
+    with ServerProcess("--api-key", "s3cret", env={"ENCODER_API_KEY_EXEMPT_CIDRS": "10.0.0.0/8,fd00::/8"}) as server:
+        assert httpx.post(server.url + "/encode", json=body).status_code == 401
+        spoofed = {"X-Forwarded-For": "10.1.2.3", "Forwarded": "for=10.1.2.3"}
+        assert httpx.post(server.url + "/encode", json=body, headers=spoofed).status_code == 401
+        assert httpx.post(server.url + "/scheduler_receive_url", json={}, headers=spoofed).status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(server.url + "/encode", json=body, headers=auth).status_code == 200
+        info = httpx.get(server.url + "/server_info", headers=auth).json()
+        assert info["settings"]["api_key_exempt_cidrs"] == "10.0.0.0/8,fd00::/8"
+
+
+def test_exempt_networks_are_read_strictly_and_match_ipv4_mapped_addresses(capsys):
+    networks = exempt_networks("10.244.0.0/16, fd00::/8,192.0.2.7")
+    assert in_networks("10.244.3.4", networks) and in_networks("::ffff:10.244.3.4", networks)
+    assert in_networks("fd00::1", networks) and in_networks("192.0.2.7", networks)
+    assert not in_networks("10.245.0.1", networks) and not in_networks("127.0.0.1", networks)
+    assert not in_networks("not-an-address", networks) and not in_networks("10.244.0.1", ())
+    with pytest.raises(SystemExit) as refused:
+        load_settings(["--api-key-exempt-cidrs", "10.0.0.0/33"], {})
+    assert refused.value.code == 2
+    assert "'10.0.0.0/33' is not a network; write CIDRs separated by commas" in capsys.readouterr().err
 
 
 def test_metrics_require_key_puts_metrics_behind_the_key_too():

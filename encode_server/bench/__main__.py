@@ -388,7 +388,8 @@ def main(argv=None) -> None:
             results["ceiling"] = ceiling(args.model, args.modality, payloads, args.max_batch_size)
             print(f"ceiling    batch {args.max_batch_size}: processor+forward "
                   f"{results['ceiling']['processor_and_forward_rps']:.1f} req/s, forward only "
-                  f"{results['ceiling']['forward_only_rps']:.1f} req/s", flush=True)
+                  f"{results['ceiling']['forward_only_rps']:.1f} req/s ({results['ceiling']['threads']} torch "
+                  "threads, as the server's)", flush=True)
         else:
             raise SystemExit(f"encode-bench: unknown configuration {config!r}")
     results["cache_comparison"] = cache_comparison(results["points"])

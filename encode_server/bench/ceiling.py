@@ -1,7 +1,9 @@
 """The ceiling: the same batches through the model in a loop, no HTTP, no queue.
 
 Two figures: the processor plus the forward (everything the service must do per batch besides
-HTTP, decoding and delivery), and the forward alone.
+HTTP, decoding and delivery), and the forward alone. torch runs on as many threads as the server's
+would (`--cpu-threads`' rule: half the cores on a CPU by default), or a bound measured with torch's own
+default (every core, its OpenMP threads spinning) can fall below the service it bounds.
 """
 
 from __future__ import annotations
@@ -13,11 +15,25 @@ import time
 import torch
 from PIL import Image
 
+from encode_server.__main__ import set_cpu_threads
+from encode_server.ops.settings import Settings
 from processors import load_adapter
 
 
-def ceiling(model: str, modality: str, payloads: list[str], batch_size: int, seconds: float = 5.0) -> dict:
+def ceiling(model: str, modality: str, payloads: list[str], batch_size: int, seconds: float = 5.0,
+            settings: Settings | None = None) -> dict:
+    """`settings`: those of the server being bounded (its `--cpu-threads`); the defaults by default."""
+    settings = settings or Settings()
     adapter = load_adapter(model, "auto", "auto")
+    threads = torch.get_num_threads()
+    set_cpu_threads(settings, 1)
+    try:
+        return {**_measure(adapter, modality, payloads, batch_size, seconds), "threads": torch.get_num_threads()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(adapter, modality: str, payloads: list[str], batch_size: int, seconds: float) -> dict:
     items = []
     for payload in payloads[:batch_size] * (1 + batch_size // max(1, len(payloads))):
         data = base64.b64decode(payload)

@@ -20,6 +20,9 @@ misses, not cache hits.
     python -m encode_server.bench.mixed mixed --round-s 15 --rounds 2
     python -m encode_server.bench.mixed mixed --round-s 12 --rounds 2 --cache off,on
     python -m encode_server.bench.mixed wait --waits 0,2,5,10,auto
+
+It prints a line per round or point as it goes, then the table docs/BENCHMARKS.md shows (Markdown);
+`--json` prints the results as JSON instead, and `--out` writes them as JSON too.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 
 from encode_server.bench.launcher import ServerProcess
 from encode_server.bench.load import _Client, _session, _warm, closed_loop, make_payloads
+from encode_server.bench.mixed_tables import mixed_table, wait_table
 from encode_server.bench.workloads import png_with_nonce
 
 
@@ -137,11 +141,8 @@ async def _round(url: str, arm: str, rate: float, seconds: float, concurrency: i
 
 
 async def run_mixed(args) -> dict:
-    """One comparison per `--cache` setting, in one invocation."""
-    results = {}
-    for cache in args.cache:
-        results[f"cache-{cache}"] = await run_mixed_once(args, cache)
-    return results if len(results) > 1 else next(iter(results.values()))
+    """One comparison per `--cache` setting, in one invocation: {setting: result}."""
+    return {cache: await run_mixed_once(args, cache) for cache in args.cache}
 
 
 async def run_mixed_once(args, cache: str) -> dict:
@@ -160,7 +161,10 @@ async def run_mixed_once(args, cache: str) -> dict:
             for arm in ("idle", "fifo", "priority"):
                 result = await _round(server.url, arm, rate, args.round_s, args.offline_concurrency, payloads,
                                       seed=round_index)
-                print(json.dumps({"cache": cache, **result}), flush=True)
+                print(f"cache {cache}, round {round_index + 1}, {arm}: interactive p50 "
+                      f"{result['interactive_p50_ms']} ms, p99 {result['interactive_p99_ms']} ms, "
+                      f"{result['interactive_errors']} errors; offline {result['offline_rps']} req/s, total "
+                      f"{result['total_rps']} req/s", flush=True)
                 rounds.append(result)
     summary = {}
     for arm in ("idle", "fifo", "priority"):
@@ -189,11 +193,12 @@ async def run_wait(args) -> dict:
                        "throughput_rps": round(point.throughput_rps, 1), "p50_ms": round(point.p50_ms, 1),
                        "p99_ms": round(point.p99_ms, 1), "mean_batch": round(point.mean_batch_size, 1),
                        "errors": point.errors}
-                print(json.dumps(row), flush=True)
+                print(f"--max-wait-ms {wait}, c={concurrency}: {row['throughput_rps']} req/s, p50 {row['p50_ms']} ms, "
+                      f"p99 {row['p99_ms']} ms, mean batch {row['mean_batch']}, {row['errors']} errors", flush=True)
                 results.append(row)
             if wait == "auto":  # what it learned, as /v1/performance shows it
                 learned = httpx.get(server.url + "/v1/performance", timeout=10).json().get("cost_model")
-                print(json.dumps({"cost_model": learned}), flush=True)
+                print(f"--max-wait-ms auto learned: {json.dumps(learned)}", flush=True)
                 results.append({"max_wait_ms": wait, "cost_model": learned})
     return {"points": results}
 
@@ -214,9 +219,14 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", type=lambda text: text.split(","), default=["off"],
                         help="mixed: off, on, or off,on (both, one after the other in this run)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     args = parser.parse_args(argv)
     result = asyncio.run(run_mixed(args) if args.which == "mixed" else run_wait(args))
-    print(json.dumps(result.get("median", result), indent=1))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print()
+        print(mixed_table(result) if args.which == "mixed" else wait_table(result["points"]))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -27,6 +27,7 @@ import encode_server
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
 from encode_server.http.bodies import parse_json, read_body, read_limited
 from encode_server.http.error_log import ErrorAnswerLog
+from encode_server.ops.setting_values import exempt_networks, in_networks
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError, error_body
 from encode_server.service import EncoderService
@@ -46,19 +47,21 @@ CLIENT_CLOSED = 499
 
 class ApiKeyMiddleware:
     """Every path but /health and (unless `metrics_require_key`) /metrics needs `Authorization: Bearer <key>`,
-    compared in constant time."""
+    compared in constant time, except from a client address inside `exempt` (`--api-key-exempt-cidrs`: the
+    networks of callers that send no key, such as SGLang's prefill ranks)."""
 
-    def __init__(self, app, api_key: str, metrics_require_key: bool = False) -> None:
+    def __init__(self, app, api_key: str, metrics_require_key: bool = False, exempt: tuple = ()) -> None:
         self.app = app
         self._key = api_key.encode()
         self.open_paths = frozenset({"/health"} if metrics_require_key else {"/health", "/metrics"})
+        self.exempt = exempt
 
     @property
     def state(self):
         return self.app.state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths and not self._exempt(scope):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
             if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
@@ -68,6 +71,10 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _exempt(self, scope) -> bool:
+        client = scope.get("client")
+        return bool(self.exempt and client and in_networks(client[0], self.exempt))
 
 
 def error_response(error: EncodeError) -> JSONResponse:
@@ -243,5 +250,6 @@ def create_app(settings: Settings, adapter=None, group=None):
 
     served = EncodeFastPath(app, settings.max_request_bytes)
     if settings.api_key:
-        served = ApiKeyMiddleware(served, settings.api_key, settings.metrics_require_key)
+        served = ApiKeyMiddleware(served, settings.api_key, settings.metrics_require_key,
+                                  exempt_networks(settings.api_key_exempt_cidrs))
     return ErrorAnswerLog(served)

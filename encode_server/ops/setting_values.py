@@ -1,9 +1,10 @@
 """Parsers of setting values that are checked when the settings are read and used again where they are
-applied: `--register-with`'s registry list, the URL SGLang reaches this encoder at, and a dotted
-`module.Class` path (`--sglang-embedding-class`)."""
+applied: `--api-key-exempt-cidrs`' networks, `--register-with`'s registry list, the URL SGLang reaches this
+encoder at, and a dotted `module.Class` path (`--sglang-embedding-class`)."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 
@@ -33,3 +34,30 @@ def check_class_path(path: str) -> str:
     if not isinstance(path, str) or not _CLASS_PATH.match(path):
         raise ValueError(f"{path!r} is not a dotted module.Class path")
     return path
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def exempt_networks(text: str | None) -> tuple[Network, ...]:
+    """`--api-key-exempt-cidrs`: comma-separated networks (`10.244.0.0/16`, `fd00::/8`, or one address)."""
+    networks = []
+    for part in (text or "").split(","):
+        if part.strip():
+            try:
+                networks.append(ipaddress.ip_network(part.strip(), strict=False))
+            except ValueError:
+                raise ValueError(f"--api-key-exempt-cidrs: {part.strip()!r} is not a network; write CIDRs separated "
+                                 "by commas, e.g. 10.244.0.0/16,fd00::/8") from None
+    return tuple(networks)
+
+
+def in_networks(address: str, networks: tuple[Network, ...]) -> bool:
+    """Whether a client address lies in one of `networks` (an IPv4-mapped IPv6 address counts as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:  # not an IP address (a unix socket's peer): never exempt
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip.version == network.version and ip in network for network in networks)

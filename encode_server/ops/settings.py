@@ -18,7 +18,7 @@ from typing import Any
 
 import encode_server
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
-from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
+from encode_server.ops.setting_values import advertised_url, check_class_path, exempt_networks, registry_urls
 from processors.dtypes import DTYPES
 
 
@@ -121,6 +121,10 @@ OPTIONS: tuple[Option, ...] = (
            "each batch to the least loaded"),
     Option("--api-key", str, None,
            "when set, every endpoint but /health and /metrics needs 'Authorization: Bearer <key>' (else 401)"),
+    Option("--api-key-exempt-cidrs", str, None,
+           "with --api-key: comma-separated networks (CIDR, e.g. 10.244.0.0/16) whose requests need no key; for "
+           "callers that cannot send one (SGLang's prefill ranks and vLLM's proxy send no Authorization header): "
+           "keep that network reachable only by them (docs/DEPLOYMENT.md, Security)"),
     Option("--metrics-require-key", parse_bool, False,
            "with --api-key: /metrics needs the key too (Prometheus then sends it: authorization in its scrape "
            "config); by default a scraper reads /metrics without it"),
@@ -221,6 +225,7 @@ class Settings:
     tp_size: int = DEFAULTS["tp_size"]
     dp_size: int = DEFAULTS["dp_size"]
     api_key: str | None = DEFAULTS["api_key"]
+    api_key_exempt_cidrs: str | None = DEFAULTS["api_key_exempt_cidrs"]
     metrics_require_key: bool = DEFAULTS["metrics_require_key"]
     allow_private_urls: bool = DEFAULTS["allow_private_urls"]
     allowed_local_media_dir: str | None = DEFAULTS["allowed_local_media_dir"]
@@ -286,6 +291,7 @@ class Settings:
         if self.wire_format not in ("native", "sglang"):
             raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
         check_class_path(self.sglang_embedding_class)
+        exempt_networks(self.api_key_exempt_cidrs)
         if self.ec_hash_algorithm not in ("blake3", "sha256", "sha512"):
             raise ValueError(f"--ec-hash-algorithm must be blake3, sha256 or sha512, got {self.ec_hash_algorithm!r}")
         if self.ec_storage_bytes < 0 or self.ec_storage_min_age_s < 0:
