@@ -33,3 +33,13 @@ def check_class_path(path: str) -> str:
     if not isinstance(path, str) or not _CLASS_PATH.match(path):
         raise ValueError(f"{path!r} is not a dotted module.Class path")
     return path
+
+
+def parse_store_url(url: str) -> str:
+    """`--cache-store`: `mooncake://host:port` (or `host:port`) -> `host:port`; ValueError naming the form."""
+    address = url[len("mooncake://"):] if url.startswith("mooncake://") else url
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--cache-store {url!r} is not a Mooncake master address: expected mooncake://HOST:PORT "
+                         f"(the master's --rpc_port, 50051 by default)")
+    return address

