@@ -126,7 +126,7 @@ class VllmProducer:
     def __init__(self, service: EncoderService, storage: ECStorage, model_id: str, algorithm: str,
                  video_processor: str | None = None, store: StoreTier | None = None) -> None:
         self.service = service
-        self.store = store  # the shared tier under vLLM's namespace (--cache-store), or None
+        self.shared = store  # the shared tier under vLLM's namespace (--cache-store), or None
         self.storage = storage
         self.model_id = model_id
         self.algorithm = algorithm
@@ -231,9 +231,9 @@ class VllmProducer:
 
     async def _from_store(self, identifier: str, modality: str) -> _Prepared | None:
         """An item the shared tier holds, written to the storage as if encoded here; None: not there."""
-        if self.store is None or identifier in self._inflight:
+        if self.shared is None or identifier in self._inflight:
             return None
-        rows = await self.store.lookup_rows(modality, identifier)
+        rows = await self.shared.lookup_rows(modality, identifier)
         if rows is None:
             return None
         await asyncio.get_running_loop().run_in_executor(self.service.media_pool, self.storage.write, identifier, rows)
@@ -305,8 +305,8 @@ class VllmProducer:
             log.exception("vLLM producer: storing %d items failed", len(identifiers))
             raise error from None
         for identifier, rows in zip(identifiers, pieces):
-            if self.store is not None:
-                self.store.publish(identifier, rows)
+            if self.shared is not None:
+                self.shared.publish(identifier, rows)
             owned[identifier][0].set_result(int(rows.shape[0]))
             self._inflight.pop(identifier, None)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import re
 import socket
 import struct
@@ -18,6 +19,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from .helpers import InProcessServer, decode_embedding, png_bytes
 
@@ -199,3 +202,164 @@ def _record_keys(monkeypatch):
         return original(self, objects)
 
     monkeypatch.setattr(StoreConnection, "publish", recording)
+
+
+def test_the_master_lost_mid_run_costs_no_request(master):
+    holder = peer(master)
+    with InProcessServer(*store_args(master, "--req-timeout-s", "10")) as server, \
+            InProcessServer(*store_args(master)) as other:
+        encode(server, png_bytes(40, 40, seed=1))
+        wait_for(lambda: published(server) >= 1, what="the first item to be published")
+        master.kill()
+        started = time.monotonic()
+        for seed in range(2, 8):  # new items and the first again: every one answered, none waits on the Store
+            encode(server, png_bytes(40, 40, seed=seed), req_id=f"down-{seed}")
+            assert encode(other, png_bytes(40, 40, seed=seed))["items"][0]["cached"] in (False, True)
+        encode(other, png_bytes(40, 40, seed=1))
+        assert time.monotonic() - started < 10
+        wait_for(lambda: store_info(server)["state"] == "lost", what="the loss to be seen")
+        assert server.metric("encoder_cache_store_up") == 0
+        master.start()  # a new master: it knows no client, no object
+        holder.close()
+        holder = peer(master)
+        wait_for(lambda: store_info(server)["state"] == "connected" and store_info(other)["state"] == "connected",
+                 timeout=30, what="both servers to reconnect")
+        assert store_info(server)["reconnects"] >= 1
+        fresh = png_bytes(40, 40, seed=99)
+        answer = encode(server, fresh)
+        wait_for(lambda: store_info(server)["published"] >= 2, what="a publish after the reconnect")
+        body = encode(other, fresh)
+        assert body["items"][0]["cache_tier"] == "store" and body["batch_size"] == 0
+        assert np.array_equal(decode_embedding(body), decode_embedding(answer))
+    holder.close()
+
+
+def test_a_master_down_at_start_is_joined_later():
+    master = Master()  # not started yet
+    started = time.monotonic()
+    with InProcessServer(*store_args(master)) as server:
+        assert time.monotonic() - started < 30  # Mooncake's own setup would wait ~90 s for a missing master
+        encode(server, png_bytes(32, 32, seed=5))  # served from the encoder meanwhile
+        assert store_info(server)["state"] == "connecting"
+        assert server.metric("encoder_cache_store_publish_drops_total") == 1  # nowhere to publish it yet
+        master.start()
+        try:
+            holder = peer(master)
+            wait_for(lambda: store_info(server)["state"] == "connected", timeout=40, what="the connection")
+            encode(server, png_bytes(32, 32, seed=6))
+            wait_for(lambda: published(server) >= 1, what="the publish")
+            holder.close()
+        finally:
+            master.kill()
+
+
+def test_two_pods_encoding_one_item_at_once_both_answer_and_the_store_keeps_one_value(master):
+    import concurrent.futures
+
+    holder = peer(master)
+    image = png_bytes(56, 56, seed=21)
+    with InProcessServer(*store_args(master)) as first, InProcessServer(*store_args(master)) as second:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda server: encode(server, image), (first, second)))
+        assert np.array_equal(decode_embedding(answers[0]), decode_embedding(answers[1]))
+        wait_for(lambda: published(first) + published(second)
+                 + first.metric("encoder_cache_store_hits_total") + second.metric("encoder_cache_store_hits_total")
+                 >= 2, what="both pods to publish or read")
+        namespace = store_info(first)["namespace"]
+        (key,) = _keys_with_prefix(holder, namespace + "@id:")
+        value = bytes(holder.get(key))
+        rows = decode_embedding(answers[0])
+        assert np.array_equal(np.frombuffer(value[24:], "<f4").reshape(rows.shape), rows)
+    holder.close()
+
+
+def test_corrupt_objects_are_counted_misses_never_rows(master):
+    holder = peer(master)
+    kinds = ("truncated", "bad magic", "another dtype", "another width")
+    images = {kind: png_bytes(48, 48, seed=31 + index) for index, kind in enumerate(kinds)}
+    answers, keys = {}, {}
+    with InProcessServer(*store_args(master)) as first:
+        for kind, image in images.items():
+            answers[kind] = encode(first, image)
+            wait_for(lambda: published(first) >= len(answers), what="the publish")
+            keys[kind] = [key for key in _published_keys if "@id:" in key][-1]
+    for kind, key in keys.items():
+        good, shape = bytes(holder.get(key)), decode_embedding(answers[kind]).shape
+        value = {"truncated": good[:-4],
+                 "bad magic": struct.pack("<IIQQ", 0xDEADBEEF, FLOAT32_CODE, *shape) + good[24:],
+                 "another dtype": struct.pack("<IIQQ", MAGIC, 12, *shape) + good[24:],
+                 "another width": struct.pack("<IIQQ", MAGIC, FLOAT32_CODE, shape[0] * 2, shape[1] // 2) + good[24:],
+                 }[kind]
+        assert holder.upsert(key, value) == 0 and bytes(holder.get(key)) == value
+    with InProcessServer(*store_args(master)) as fresh:
+        for count, (kind, image) in enumerate(images.items(), start=1):
+            body = encode(fresh, image)
+            assert body["items"][0]["cached"] is False, kind  # encoded, not served from the bad object
+            assert np.array_equal(decode_embedding(body), decode_embedding(answers[kind])), kind
+            assert fresh.metric("encoder_cache_store_corrupt_total") == count, kind
+    holder.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the refused server's thread
+def test_a_store_of_an_unreadable_protocol_is_refused(master):
+    from encode_server.cache.store_client import StoreConfig, StoreConnection, StoreRefused
+
+    holder = peer(master)
+    assert holder.put("encode-server@store-protocol", json.dumps({"protocol": "v9"}).encode()) == 0
+    connection = StoreConnection(StoreConfig(f"127.0.0.1:{master.port}", global_segment_size=0,
+                                             local_buffer_size=16 << 20), "test")
+    with pytest.raises(StoreRefused, match="protocol 'v9'.*reads v3 only"):
+        connection.start()
+    connection.close()
+    with pytest.raises(RuntimeError, match="did not start"):
+        with InProcessServer(*store_args(master)):
+            pass
+    holder.close()
+
+
+def vllm_key(identifier: str, model: str = "tiny-qwen2.5-vl") -> str:
+    """vLLM 0.33's key for an item (build_embedding_namespace + make_embedding_key), written out by hand."""
+    return (f"embedding@model:{model}@revision:default@encoder:{VLLM_ENCODER_HASH}@dtype:torch.float32"
+            f"@protocol:v3@id:{identifier}")
+
+
+def chat(server, *parts: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-qwen2.5-vl", "max_tokens": 1,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "what is this?"}]}]})
+
+
+def image_part(data: bytes, uuid: str | None = None) -> dict:
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+    return {**part, "uuid": uuid} if uuid else part
+
+
+def test_vllm_objects_both_ways(master, tmp_path):
+    holder = peer(master)
+    with InProcessServer(*store_args(master, "--ec-storage", str(tmp_path / "ec"))) as server:
+        width = httpx.get(server.url + "/server_info").json()["model"]["row_widths"]["image"]
+        wait_for(lambda: forwards(server) >= 1, what="the start-up health probe's forward")
+        probe_forwards = forwards(server)
+        # What vLLM's client writes (header, then rows), read by the producer instead of encoding.
+        rows = torch.randn(16, width)
+        value = struct.pack("<IIQQ", MAGIC, FLOAT32_CODE, 16, width) + rows.numpy().astype("<f4").tobytes()
+        assert holder.put(vllm_key("from-vllm"), value) == 0
+        response = chat(server, image_part(png_bytes(64, 64, seed=41), uuid="from-vllm"))
+        assert response.status_code == 200, response.text
+        (item,) = response.json()["encoder_cache"]
+        assert item["identifier"] == "from-vllm" and item["hit"] and item["tokens"] == 16
+        assert forwards(server) == probe_forwards  # nothing encoded
+        assert server.metric("encoder_cache_store_hits_total") == 1
+        stored = load_file(str(tmp_path / "ec" / "from-vllm" / "encoder_cache.safetensors"))["ec_cache"]
+        assert torch.equal(stored, rows)
+
+        # What the producer encodes, published where vLLM's client reads it.
+        response = chat(server, image_part(png_bytes(64, 64, seed=42), uuid="from-us"))
+        assert response.status_code == 200, response.text
+        wait_for(lambda: holder.is_exist(vllm_key("from-us")) == 1, what="the publish")
+        ours = load_file(str(tmp_path / "ec" / "from-us" / "encoder_cache.safetensors"))["ec_cache"]
+        value = bytes(holder.get(vllm_key("from-us")))
+        assert struct.unpack_from("<IIQQ", value) == (MAGIC, FLOAT32_CODE, ours.shape[0], width)
+        assert len(value) == 24 + ours.numel() * 4
+        assert torch.equal(torch.from_numpy(np.frombuffer(value[24:], "<f4").reshape(ours.shape).copy()), ours)
+    holder.close()
