@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -205,16 +206,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cache-store-local-hostname", str, "",
            "Mooncake local_hostname: the address other Store clients reach this one at "
            "(default: this host's address on the route to the master)"),
-    Option("--cache-store-global-segment-size", parse_byte_size, "512MiB",
-           "Mooncake global_segment_size: memory this server lends the Store (e.g. 4GiB); 0: none, a pure client "
-           "(entries in a server's segment go when it stops)"),
-    Option("--cache-store-local-buffer-size", parse_byte_size, "128MiB",
-           "Mooncake local_buffer_size: the client's transfer buffer; one read must fit (an item's rows)"),
+    Option("--cache-store-global-segment-size", parse_byte_size, 512 << 20,
+           "Mooncake global_segment_size: memory this server lends the Store (512 MiB; e.g. 4GiB); 0: none, "
+           "a pure client (entries in a server's segment go when it stops)"),
+    Option("--cache-store-local-buffer-size", parse_byte_size, 128 << 20,
+           "Mooncake local_buffer_size: the client's transfer buffer (128 MiB); one read must fit in it "
+           "(an item's rows)"),
     Option("--cache-store-timeout-ms", float, 100.0,
            "longest wait for a Store read; a later answer is a miss (the item is encoded)"),
     Option("--cache-store-publish-items", int, 1024,
            "items waiting to be published to the Store at most; beyond, an item is not published (counted)"),
-    Option("--cache-store-publish-bytes", parse_byte_size, "256MiB",
+    Option("--cache-store-publish-bytes", parse_byte_size, 256 << 20,
            "bytes waiting to be published to the Store at most; beyond, an item is not published (counted)"),
     Option("--cache-store-prefix", str, "",
            "vLLM's embedding_cache_prefix: the first part of every Store key (empty: none)"),
@@ -343,6 +345,10 @@ class Settings:
             if self.cache_bytes == 0:
                 raise ValueError("--cache-store is the second tier of the embedding cache: it needs the first "
                                  "(--cache-bytes above 0, or auto)")
+            if importlib.util.find_spec("mooncake") is None:
+                raise ValueError("--cache-store needs Mooncake Store's client, which is not installed: "
+                                 "pip install 'encode-server[mooncake]' (the mooncake-transfer-engine-non-cuda "
+                                 "package; its binaries also need the system's libibverbs1)")
         if self.cache_store_timeout_ms <= 0 or self.cache_store_publish_items < 0 or self.cache_store_publish_bytes < 0:
             raise ValueError("--cache-store-timeout-ms must be positive; --cache-store-publish-items and "
                              "--cache-store-publish-bytes must not be negative")
