@@ -176,3 +176,27 @@ def test_settings_refuse_what_cannot_work(monkeypatch):
         from encode_server.ops.settings import Settings
 
         Settings(cache_store="mooncake://host:50051")
+
+
+def test_the_dashboard_reads_only_series_the_tier_exports():
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from encode_server.ops.metrics import StoreCollector
+
+    connection = connected(SlowClient())
+    connection.stats.observe_read(0.003)
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(connection))
+    exported = generate_latest(registry).decode()
+    dashboard = Path(__file__).parents[1] / "deploy" / "grafana" / "encode-server.json"
+    used = set(re.findall(r"encoder_cache_store_[a-z_]+", dashboard.read_text()))
+    assert {"encoder_cache_store_hits_total", "encoder_cache_store_read_seconds_bucket",
+            "encoder_cache_store_publish_drops_total"} <= used
+    for name in used:
+        assert re.search(rf"^{name}[{{ ]", exported, re.MULTILINE), name
+    assert 'encoder_cache_store_read_seconds_bucket{le="0.005"} 1.0' in exported
+    assert json.loads(dashboard.read_text())["panels"]
