@@ -200,3 +200,18 @@ def test_the_dashboard_reads_only_series_the_tier_exports():
         assert re.search(rf"^{name}[{{ ]", exported, re.MULTILINE), name
     assert 'encoder_cache_store_read_seconds_bucket{le="0.005"} 1.0' in exported
     assert json.loads(dashboard.read_text())["panels"]
+
+
+def test_the_pool_simulation_counts_what_a_shared_tier_saves():
+    import numpy as np
+
+    from scripts.store_pool_sim import simulate
+
+    stream = np.array([1, 2, 1, 2, 3, 1, 2, 3] * 50)
+    per_pod = simulate(stream, pods=4, local=8, store=None, window=10)
+    shared = simulate(stream, pods=4, local=8, store=100, window=10)
+    # Round-robin, each pod sees two of the three items (pod 0: 1 and 3; 1: 2 and 1; 2: 1 and 2; 3: 2 and 3):
+    # per pod, each encodes its two, and pod 0 its two again after its restart; shared: each item once.
+    assert per_pod["encodes_per_1000"] * len(stream) / 1000 == 4 * 2 + 2
+    assert shared["encodes_per_1000"] * len(stream) / 1000 == 3
+    assert shared["restarted_pod_hit_rate"] == 1.0 and per_pod["restarted_pod_hit_rate"] < 1.0
