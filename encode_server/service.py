@@ -144,7 +144,7 @@ class EncoderService:
         # `_submit_shared`, ordered by the most urgent request waiting for them.
         self.cached = CachedEncoding(
             self.cache, keys, self.media, adapter.item_layout, self.metrics,
-            self._submit_shared, native_store) if self.cache.enabled else None
+            self._submit_shared, native_store, self.clock.now) if self.cache.enabled else None
         self.engine: EncoderEngine
         self.costs = CostModel()
         self.scheduler: EncoderScheduler | SchedulerThread = (

@@ -353,6 +353,14 @@ def test_vllm_objects_both_ways(master, tmp_path):
         stored = load_file(str(tmp_path / "ec" / "from-vllm" / "encoder_cache.safetensors"))["ec_cache"]
         assert torch.equal(stored, rows)
 
+        # The same kind of object under another model's or dtype's namespace is never found: encoded instead.
+        for other in (vllm_key("elsewhere", model="another/model"),
+                      vllm_key("elsewhere").replace("dtype:torch.float32", "dtype:torch.bfloat16")):
+            assert holder.put(other, value) == 0
+        response = chat(server, image_part(png_bytes(64, 64, seed=43), uuid="elsewhere"))
+        assert response.status_code == 200 and not response.json()["encoder_cache"][0]["hit"]
+        assert forwards(server) == probe_forwards + 1
+
         # What the producer encodes, published where vLLM's client reads it.
         response = chat(server, image_part(png_bytes(64, 64, seed=42), uuid="from-us"))
         assert response.status_code == 200, response.text

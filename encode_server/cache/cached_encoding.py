@@ -39,9 +39,10 @@ class CachedEncoding:
 
     def __init__(self, cache: EmbeddingCache, keys: ItemKeys, media: MediaLoader,
                  describe: Callable[[str, Any], Any], metrics: ServerMetrics, submit: SubmitJob,
-                 store: StoreTier | None = None) -> None:
+                 store: StoreTier | None = None, now: Callable[[], float] = time.monotonic) -> None:
         self.cache = cache
         self.store = store  # the shared second tier (Mooncake Store), or None
+        self.now = now  # the clock requests' deadlines are on
         self.item_keys = keys
         self.media = media
         self.describe = describe  # the adapter's `item_layout`
@@ -69,7 +70,7 @@ class CachedEncoding:
             found: list[CachedItem | None] = [None] * len(items)
             if self.store is not None:
                 found = await self.store.lookup(meta.modality, [item.digest.hex() for item in items],
-                                                _store_timeout(self.store, waiting))
+                                                _store_timeout(self.store, waiting, self.now()))
                 from_store.update(item.digest for item, hit in zip(items, found) if hit is not None)
             missing = [index for index, hit in enumerate(found) if hit is None]
             if not missing:
@@ -121,14 +122,11 @@ class CachedEncoding:
         return await self.submit(meta, results, time.perf_counter() - started, waiting)
 
 
-def _store_timeout(store: StoreTier, waiting: SharedDemand) -> float:
-    """The Store's read deadline, never beyond what the most patient waiting request has left."""
+def _store_timeout(store: StoreTier, waiting: SharedDemand, now: float) -> float:
+    """The Store's read deadline: `--cache-store-timeout-ms`, never past the most urgent waiting request's."""
     timeout = store.connection.config.read_timeout_s
-    try:
-        left = waiting.urgency.deadline - time.monotonic()
-    except (AttributeError, TypeError):
-        return timeout
-    return max(0.0, min(timeout, left))
+    deadline = waiting.urgency.deadline
+    return timeout if deadline is None else max(0.0, min(timeout, deadline - now))
 
 
 def cache_capacity(settings: Settings) -> int:
