@@ -16,6 +16,9 @@ the background within a bound, and a master that is down, lost or slow costing o
 - **Writes** (`publish`) go into a queue bounded in objects and bytes, drained by one thread; beyond the
   bound an object is dropped, counted. A key already in the Store keeps its first value (Mooncake's put).
 
+- **Closing** waits at most 3 s for Mooncake's client to close (with the master gone it spends about 10 s
+  trying to unmount a lent segment), so a server's shutdown is never held up by the Store.
+
 Counters and the read-latency histogram (`StoreStats`) are read by `ops.metrics` at scrape time.
 """
 
@@ -150,6 +153,11 @@ def mooncake_client_factory() -> Any:
     return MooncakeDistributedStore()
 
 
+def _close_quietly(client: Any) -> None:
+    with contextlib.suppress(Exception):
+        client.close()
+
+
 def check_installed() -> None:
     """ImportError naming the extra when `--cache-store` is set and Mooncake's client is missing."""
     try:
@@ -213,8 +221,11 @@ class StoreConnection:
         client, self._client = self._client, None
         self.state = "closed"
         if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
+            # With the master gone, Mooncake's close waits about 10 s to unmount a lent segment: never let
+            # that hold up the server's shutdown.
+            closer = threading.Thread(target=_close_quietly, args=(client,), name="store-close", daemon=True)
+            closer.start()
+            closer.join(timeout=3.0)
 
     # --- reads -------------------------------------------------------------------------------------
 
@@ -222,7 +233,8 @@ class StoreConnection:
         """Each key's value, or None (absent, unreachable, or not back within the deadline)."""
         if not keys:
             return []
-        if not self.up or self._reads_busy >= self.config.read_threads:
+        timeout = self.config.read_timeout_s if timeout_s is None else timeout_s
+        if not self.up or self._reads_busy >= self.config.read_threads or timeout <= 0:
             self.stats.reads_skipped += 1
             return [None] * len(keys)
         started = time.perf_counter()
@@ -235,12 +247,10 @@ class StoreConnection:
                 self._reads_busy -= 1
             return [None] * len(keys)
         try:
-            values = await asyncio.wait_for(asyncio.wrap_future(future),
-                                            self.config.read_timeout_s if timeout_s is None else timeout_s)
+            values = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except asyncio.TimeoutError:
             self.stats.read_timeouts += 1
-            self.warn("read-timeout", "Mooncake Store: a read took over %.0f ms; served without it",
-                      (self.config.read_timeout_s if timeout_s is None else timeout_s) * 1e3)
+            self.warn("read-timeout", "Mooncake Store: a read took over %.0f ms; served without it", timeout * 1e3)
             return [None] * len(keys)
         except Exception as exc:  # noqa: BLE001 (the binding's errors: a miss, never a failed request)
             self.stats.read_errors += 1
