@@ -334,16 +334,51 @@ def image_part(data: bytes, uuid: str | None = None) -> dict:
     return {**part, "uuid": uuid} if uuid else part
 
 
+def vllm_put(store, key: str, rows: torch.Tensor) -> None:
+    """vLLM 0.33's MooncakeEmbeddingStoreClient.put_tensor: header and rows from two registered buffers."""
+    import ctypes
+
+    header = struct.pack("<IIQQ", MAGIC, FLOAT32_CODE, *rows.shape)
+    header_buffer = (ctypes.c_ubyte * len(header)).from_buffer_copy(header)
+    rows = rows.contiguous()
+    buffers = [(ctypes.addressof(header_buffer), len(header)), (rows.data_ptr(), rows.numel() * rows.element_size())]
+    for address, size in buffers:
+        assert store.register_buffer(address, size) == 0
+    config = mooncake_store.ReplicateConfig()
+    config.data_type = mooncake_store.ObjectDataType.TENSOR
+    try:
+        [result] = store.batch_put_from_multi_buffers([key], [[address for address, _ in buffers]],
+                                                      [[size for _, size in buffers]], config)
+        assert result >= 0, result
+    finally:
+        for address, _ in buffers:
+            store.unregister_buffer(address)
+
+
+def vllm_get(store, key: str, size: int) -> bytes:
+    """vLLM 0.33's _load_chunk: batch_get_into a registered buffer of the expected size, all of it or nothing."""
+    buffer = torch.empty(size, dtype=torch.uint8)
+    assert store.register_buffer(buffer.data_ptr(), size) == 0
+    try:
+        [result] = store.batch_get_into([key], [buffer.data_ptr()], [size])
+    finally:
+        store.unregister_buffer(buffer.data_ptr())
+    assert result == size, result
+    return buffer.numpy().tobytes()
+
+
 def test_vllm_objects_both_ways(master, tmp_path):
     holder = peer(master)
     with InProcessServer(*store_args(master, "--ec-storage", str(tmp_path / "ec"))) as server:
         width = httpx.get(server.url + "/server_info").json()["model"]["row_widths"]["image"]
         wait_for(lambda: forwards(server) >= 1, what="the start-up health probe's forward")
         probe_forwards = forwards(server)
-        # What vLLM's client writes (header, then rows), read by the producer instead of encoding.
+        # What vLLM's client writes, as it writes it (store_client.put_tensor: the header and the tensor as two
+        # registered buffers of one object, replicated as a TENSOR object), read by the producer instead of
+        # encoding.
         rows = torch.randn(16, width)
         value = struct.pack("<IIQQ", MAGIC, FLOAT32_CODE, 16, width) + rows.numpy().astype("<f4").tobytes()
-        assert holder.put(vllm_key("from-vllm"), value) == 0
+        vllm_put(holder, vllm_key("from-vllm"), rows)
         response = chat(server, image_part(png_bytes(64, 64, seed=41), uuid="from-vllm"))
         assert response.status_code == 200, response.text
         (item,) = response.json()["encoder_cache"]
@@ -366,8 +401,7 @@ def test_vllm_objects_both_ways(master, tmp_path):
         assert response.status_code == 200, response.text
         wait_for(lambda: holder.is_exist(vllm_key("from-us")) == 1, what="the publish")
         ours = load_file(str(tmp_path / "ec" / "from-us" / "encoder_cache.safetensors"))["ec_cache"]
-        value = bytes(holder.get(vllm_key("from-us")))
+        value = vllm_get(holder, vllm_key("from-us"), 24 + ours.numel() * 4)  # as vLLM's load_tensors reads it
         assert struct.unpack_from("<IIQQ", value) == (MAGIC, FLOAT32_CODE, ours.shape[0], width)
-        assert len(value) == 24 + ours.numel() * 4
         assert torch.equal(torch.from_numpy(np.frombuffer(value[24:], "<f4").reshape(ours.shape).copy()), ours)
     holder.close()
