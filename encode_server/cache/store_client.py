@@ -144,8 +144,7 @@ def local_address_towards(address: str) -> str:
 
 def mooncake_client_factory() -> Any:
     """A new `MooncakeDistributedStore`; ImportError naming the extra when Mooncake is not installed."""
-    # Mooncake logs every connection step at INFO through glog; warnings and errors are what operators need.
-    os.environ.setdefault("GLOG_minloglevel", "1")
+    _quiet_glog()
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -158,8 +157,15 @@ def _close_quietly(client: Any) -> None:
         client.close()
 
 
+def _quiet_glog() -> None:
+    """Mooncake logs every connection step at INFO; warnings and errors are what operators need (an explicit
+    MC_LOG_LEVEL wins)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+
 def check_installed() -> None:
     """ImportError naming the extra when `--cache-store` is set and Mooncake's client is missing."""
+    _quiet_glog()
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
@@ -334,8 +340,13 @@ class StoreConnection:
                     backoff = min(backoff * 2, 30.0)
                     continue
                 try:
-                    self._client = self._connect()
-                    self._check_marker(self._client)
+                    client = self._connect()
+                    try:
+                        self._check_marker(client)
+                    except BaseException:
+                        _close_quietly(client)
+                        raise
+                    self._client = client
                 except StoreRefused as exc:
                     self.state, self.refusal = "refused", str(exc)
                     log.error("Mooncake Store: %s", exc)
@@ -400,5 +411,7 @@ class StoreConnection:
                                    f"at a Store of this protocol, or upgrade the server")
             return
         result = client.put(store_format.PROTOCOL_MARKER_KEY, store_format.marker_value(self.writer))
-        if result < 0:
-            raise RuntimeError(f"writing the protocol marker returned {result}")
+        if result < 0:  # e.g. -200: nobody lends the Store memory yet; items will not be stored either
+            self.warn("marker", "Mooncake Store: writing the protocol marker returned %d (no memory lent to the "
+                      "Store? run mooncake_client or give --cache-store-global-segment-size); publishing will "
+                      "fail the same way until it has some", result)
