@@ -405,3 +405,14 @@ def test_vllm_objects_both_ways(master, tmp_path):
         assert struct.unpack_from("<IIQQ", value) == (MAGIC, FLOAT32_CODE, ours.shape[0], width)
         assert torch.equal(torch.from_numpy(np.frombuffer(value[24:], "<f4").reshape(ours.shape).copy()), ours)
     holder.close()
+
+
+def test_a_store_with_no_memory_lent_yet_connects_and_publishes_once_it_has_some(master):
+    with InProcessServer(*store_args(master)) as server:
+        wait_for(lambda: store_info(server)["state"] == "connected", what="the connection")
+        encode(server, png_bytes(36, 36, seed=61))  # nowhere to put it: a publish error, not a failed request
+        wait_for(lambda: store_info(server)["publish_errors"] == 1, what="the failed publish")
+        holder = peer(master)
+        encode(server, png_bytes(36, 36, seed=62))
+        wait_for(lambda: published(server) == 1, what="the publish")
+    holder.close()
