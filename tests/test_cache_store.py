@@ -29,7 +29,8 @@ mooncake_store = pytest.importorskip(
 
 MAGIC = 0x4D4F4F4E  # vLLM's _MOONCAKE_TENSOR_OBJECT_MAGIC
 FLOAT32_CODE = 0
-VLLM_ENCODER_HASH = hashlib.md5(b"[None]").hexdigest()  # MultiModalConfig.compute_hash(), no backend override
+# vLLM 0.33.0's MultiModalConfig().compute_hash(): md5 of its printed default encoder factors.
+VLLM_ENCODER_HASH = hashlib.md5(b"[None, 'weights', None, None, True]").hexdigest()
 
 
 def free_port() -> int:

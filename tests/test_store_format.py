@@ -23,13 +23,18 @@ from processors import ItemLayout
 
 def test_the_namespace_and_key_are_vllms():
     # vLLM: f"{prefix}embedding@model:{m}@revision:{rev or 'default'}@encoder:{hash}@dtype:{dtype}@protocol:v3",
-    # key f"{namespace}@id:{identifier}"; the encoder hash without a backend override is md5(str([None])).
-    assert store_format.VLLM_DEFAULT_ENCODER_HASH == hashlib.md5(b"[None]").hexdigest()
-    namespace = Namespace("embedding", "Qwen/Qwen2.5-VL-3B-Instruct", "", store_format.VLLM_DEFAULT_ENCODER_HASH,
+    # key f"{namespace}@id:{identifier}"; MultiModalConfig().compute_hash() in vLLM 0.33.0 is the md5 of its printed
+    # factors [attention backend, tp mode, attention dtype, fp8 scale path, device normalize] at their defaults.
+    # The key below is what vLLM 0.33.0's build_embedding_namespace and make_embedding_key printed for
+    # embedding_cache_prefix "pool-a", embedding_model_identity "Qwen/Qwen2.5-VL-3B-Instruct", revision r1, bf16.
+    assert store_format.VLLM_DEFAULT_ENCODER_HASH == "8658476b2a0fa47e54f56cb92e3f1162" == \
+        hashlib.md5(b"[None, 'weights', None, None, True]").hexdigest()
+    namespace = Namespace("embedding", "Qwen/Qwen2.5-VL-3B-Instruct", "r1", store_format.VLLM_DEFAULT_ENCODER_HASH,
                           torch.bfloat16, prefix="pool-a")
-    assert namespace.key("abc") == ("pool-a@embedding@model:Qwen/Qwen2.5-VL-3B-Instruct@revision:default"
-                                    f"@encoder:{hashlib.md5(b'[None]').hexdigest()}@dtype:torch.bfloat16"
+    assert namespace.key("abc") == ("pool-a@embedding@model:Qwen/Qwen2.5-VL-3B-Instruct@revision:r1"
+                                    "@encoder:8658476b2a0fa47e54f56cb92e3f1162@dtype:torch.bfloat16"
                                     "@protocol:v3@id:abc")
+    assert str(Namespace("embedding", "m", "", "e", torch.float32)).startswith("embedding@model:m@revision:default@")
     assert str(Namespace("embedding", "m", "r1", "e", torch.float16)) == \
         "embedding@model:m@revision:r1@encoder:e@dtype:torch.float16@protocol:v3"
 
@@ -39,6 +44,9 @@ def test_values_are_the_header_then_the_rows(dtype, code):
     rows = torch.randn(5, 8).to(dtype)
     value = store_format.encode_value(rows)
     assert struct.unpack_from("<IIQQ", value) == (0x4D4F4F4E, code, 5, 8)
+    if dtype == torch.float32:  # what vLLM 0.33.0's _encode_mooncake_tensor_metadata wrote for a [16, 128] tensor
+        assert store_format.encode_value(torch.zeros(16, 128))[:24].hex() == \
+            "4e4f4f4d0000000010000000000000008000000000000000"
     assert value[24:] == rows.view(torch.uint8).numpy().tobytes() and len(value) == 24 + 5 * 8 * dtype.itemsize
     assert torch.equal(store_format.decode_value(value, dtype, 8), rows)
 

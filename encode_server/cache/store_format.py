@@ -7,8 +7,9 @@ one object per item:
   `[<prefix>@]embedding@model:<model>@revision:<revision>@encoder:<encoder hash>@dtype:<dtype>@protocol:v3`:
   `prefix` is the connector's `embedding_cache_prefix` (empty: no prefix and no `@`), `model` its
   `embedding_model_identity` (default: the `--model` string), `revision` the model revision or `default`,
-  `encoder` the multimodal config's `compute_hash()` (an md5 over the encoder attention backend override:
-  `str([None])` unless one is set), `dtype` the model dtype as torch prints it (`torch.bfloat16`);
+  `encoder` the multimodal config's `compute_hash()` (an md5 of its printed encoder factors:
+  `[None, 'weights', None, None, True]` with vLLM 0.33.0's defaults), `dtype` the model dtype as torch
+  prints it (`torch.bfloat16`);
 - **value** a 24-byte little-endian header `<IIQQ` (magic `0x4D4F4F4E`, a dtype code: 0 float32,
   11 float16, 12 bfloat16, the item's rows, the row width) followed by the rows, row-major, nothing after.
 
@@ -50,8 +51,11 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 #: The object that names the Store's protocol (JSON: {"protocol": "v3", "writer": ...}).
 PROTOCOL_MARKER_KEY = "encode-server@store-protocol"
 
-#: vLLM's `MultiModalConfig.compute_hash()` with no encoder attention backend override.
-VLLM_DEFAULT_ENCODER_HASH = hashlib.md5(str([None]).encode(), usedforsecurity=False).hexdigest()
+#: vLLM 0.33.0's `MultiModalConfig.compute_hash()` with its defaults: md5 of the printed list of the factors
+#: (`mm_encoder_attn_backend` name, `mm_encoder_tp_mode`, `mm_encoder_attn_dtype`, `mm_encoder_fp8_scale_path`,
+#: `mm_device_do_normalize`).
+VLLM_DEFAULT_ENCODER_FACTORS = [None, "weights", None, None, True]
+VLLM_DEFAULT_ENCODER_HASH = hashlib.md5(str(VLLM_DEFAULT_ENCODER_FACTORS).encode(), usedforsecurity=False).hexdigest()
 
 
 class CorruptObject(ValueError):

@@ -225,8 +225,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cache-store-revision", str, "default",
            "the revision part of the Store keys (vLLM: the consumer's --revision, else default)"),
     Option("--cache-store-encoder-hash", str, "auto",
-           "the encoder part of vLLM's Store keys, vLLM's MultiModalConfig.compute_hash(); auto: vLLM's value "
-           "without --mm-encoder-attn-backend"),
+           "the encoder part of vLLM's Store keys, vLLM's MultiModalConfig.compute_hash(); auto: vLLM 0.33's "
+           "value with its default encoder settings"),
 )
 
 
