@@ -44,6 +44,9 @@ log = logging.getLogger("encode_server.cache.store")
 #: Extra that brings Mooncake's client and master.
 EXTRA_HINT = "pip install 'encode-server[mooncake]' (the mooncake-transfer-engine-non-cuda package)"
 
+#: Mooncake's error code for a put of a key the Store holds already (its first value is kept).
+OBJECT_ALREADY_EXISTS = -705
+
 #: Read-latency histogram buckets (seconds).
 READ_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
@@ -306,9 +309,10 @@ class StoreConnection:
                 self.stats.publish_drops += 1
                 continue
             try:
+                config = self._replicate_config()
                 for key, value in objects:
-                    result = client.put(key, value, self._replicate_config())
-                    if result < 0:
+                    result = client.put(key, value, config)
+                    if result < 0 and result != OBJECT_ALREADY_EXISTS:  # another pod's value stays: the same rows
                         raise RuntimeError(f"put returned {result}")
                 self.stats.published += 1
             except Exception as exc:  # noqa: BLE001
