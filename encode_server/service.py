@@ -437,6 +437,7 @@ class EncoderService:
                             "bytes": self.cache.bytes_held, "entries": len(self.cache), "hits": stats.hits,
                             "misses": stats.misses, "inflight_joins": stats.joined, "evictions": stats.evictions,
                             "hit_rate": stats.hit_rate}
+        summary["cache_store"] = self.store_info()  # the shared tier (--cache-store), or None
         # Per preprocessing worker: items (in reusable slots), busy and CPU seconds, restarts; [] without a pool.
         summary["preprocess_workers"] = self.preprocess_pool.stats() if self.preprocess_pool is not None else []
         return summary
