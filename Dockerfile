@@ -43,7 +43,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates libibverbs1 \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -51,14 +51,15 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch and torchvision first, from the index chosen above, so that installing the package keeps that (CUDA) build.
 RUN pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-# The package with its video extra (PyAV decodes video files) and its vllm extra (OpenCV decodes the
-# vLLM producer's video items, as vLLM does); soundfile, PyAV and OpenCV wheels carry their own
-# libsndfile and FFmpeg.
+# The package with its video extra (PyAV decodes video files), its vllm extra (OpenCV decodes the
+# vLLM producer's video items, as vLLM does) and its mooncake extra (the --cache-store client, and the
+# mooncake_master that deploy/kubernetes/mooncake-master.yaml runs from this same image; both load
+# libibverbs even over TCP); soundfile, PyAV and OpenCV wheels carry their own libsndfile and FFmpeg.
 WORKDIR /tmp/encode-server
 COPY pyproject.toml README.md ./
 COPY encode_server ./encode_server
 COPY processors ./processors
-RUN pip install ".[video,vllm]" \
+RUN pip install ".[video,vllm,mooncake]" \
     && python -c "import torch, encode_server; print('encode-server', encode_server.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda)" \
     && rm -rf /tmp/encode-server
 

@@ -98,10 +98,17 @@ class EncodedPart:
     batch_size: int
     timings: Timings = Timings()
     cached: tuple[bool, ...] = ()  # per item: served by the embedding cache (empty: the cache was not asked)
+    # per item: which tier served it ("local": this server's cache, "store": the shared Mooncake Store tier),
+    # None where it was encoded; empty when the cache was not asked
+    cache_tiers: tuple[str | None, ...] = ()
 
     def items_json(self) -> list[dict[str, Any]]:
-        """The response's and the wire header's `items`: each layout, and `cached` when the cache was asked."""
+        """The response's and the wire header's `items`: each layout, `cached` when the cache was asked, and
+        `cache_tier` ("local" or "store") on the items it served."""
         items = [layout.as_json() for layout in self.layouts]
         for item, cached in zip(items, self.cached):
             item["cached"] = cached
+        for item, tier in zip(items, self.cache_tiers):
+            if tier is not None:
+                item["cache_tier"] = tier
         return items

@@ -25,6 +25,8 @@ from encode_server.admission.gate import Admission
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from encode_server.cache.cached_encoding import CachedEncoding, cache_capacity, item_keys
 from encode_server.cache.embedding_cache import EmbeddingCache
+from encode_server.cache.store_client import StoreConnection, check_installed
+from encode_server.cache.store_tier import StoreTier, native_namespace, row_widths, store_config
 from encode_server.delivery.destinations import Delivery
 from encode_server.delivery.formats import wire_format
 from encode_server.delivery.sglang_registry import SglangRegistry
@@ -46,7 +48,7 @@ from encode_server.scheduling.demand import Demand, SharedDemand
 from encode_server.scheduling.policy import BatchPolicy
 from encode_server.scheduling.scheduler import EncoderScheduler
 from encode_server.scheduling.scheduler_thread import SchedulerThread
-from processors import EncoderAdapter
+from processors import EncoderAdapter, ItemLayout
 from processors.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("encode_server.service")
@@ -127,11 +129,22 @@ class EncoderService:
         self.media = MediaLoader(self._media_pool, limits, header_only_images=self.preprocess_pool is not None)
         self.cache = EmbeddingCache(cache_capacity(settings))
         self.metrics.watch_cache(self.cache)
+        keys = item_keys(adapter, limits) if self.cache.enabled else None
+        # The shared second tier (--cache-store): one Mooncake Store connection for the native items and
+        # the vLLM producer's.
+        self.store: StoreConnection | None = None
+        native_store = None
+        if settings.cache_store and keys is not None:
+            check_installed()
+            self.store = StoreConnection(store_config(settings), f"encode-server {encode_server.__version__}")
+            native_store = StoreTier(self.store, native_namespace(settings, adapter, keys.fingerprint),
+                                     row_widths(adapter.info), ItemLayout)
+            self.metrics.watch_store(self.store)
         # The embedding cache's request path (off with --cache-bytes 0); its misses come back through
         # `_submit_shared`, ordered by the most urgent request waiting for them.
         self.cached = CachedEncoding(
-            self.cache, item_keys(adapter, limits), self.media, adapter.item_layout, self.metrics,
-            self._submit_shared) if self.cache.enabled else None
+            self.cache, keys, self.media, adapter.item_layout, self.metrics,
+            self._submit_shared, native_store, self.clock.now) if self.cache.enabled else None
         self.engine: EncoderEngine
         self.costs = CostModel()
         self.scheduler: EncoderScheduler | SchedulerThread = (
@@ -171,6 +184,8 @@ class EncoderService:
         return self.admission.pending
 
     async def start(self) -> None:
+        if self.store is not None:  # refuses the start against a Store of a protocol it cannot read
+            await asyncio.to_thread(self.store.start)
         await asyncio.to_thread(self.media.warmup, self.adapter.info.modalities)
         if self.preprocess_pool is not None:
             await asyncio.to_thread(self.preprocess_pool.start)
@@ -200,6 +215,8 @@ class EncoderService:
         if self.preprocess_pool is not None:
             await asyncio.to_thread(self.preprocess_pool.close)
         self._media_pool.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
 
     # --- one request -----------------------------------------------------------------------------
 
@@ -391,7 +408,24 @@ class EncoderService:
             "pending": self.pending,
             "queue_depth": self.scheduler.queue_depth,
             "uptime_s": time.time() - self.started_at,
+            "cache_store": self.store_info(),
         }
+
+    def store_info(self) -> dict[str, Any] | None:
+        """The shared tier (--cache-store): where, its state, namespace, counters; None when off."""
+        if self.store is None:
+            return None
+        stats = self.store.stats
+        pending_items, pending_bytes = self.store.pending
+        return {"master": self.store.config.master_server_address, "state": self.store.state,
+                "refusal": self.store.refusal, "protocol": self.store.config.protocol,
+                "metadata_server": self.store.config.metadata_server,
+                "namespace": str(self.cached.store.namespace) if self.cached and self.cached.store else None,
+                "hits": stats.hits, "misses": stats.misses, "corrupt": stats.corrupt,
+                "read_timeouts": stats.read_timeouts, "read_errors": stats.read_errors,
+                "reads_skipped": stats.reads_skipped, "published": stats.published,
+                "publish_drops": stats.publish_drops, "publish_errors": stats.publish_errors,
+                "pending_items": pending_items, "pending_bytes": pending_bytes, "reconnects": stats.reconnects}
 
     async def performance(self) -> dict[str, Any]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
@@ -403,6 +437,7 @@ class EncoderService:
                             "bytes": self.cache.bytes_held, "entries": len(self.cache), "hits": stats.hits,
                             "misses": stats.misses, "inflight_joins": stats.joined, "evictions": stats.evictions,
                             "hit_rate": stats.hit_rate}
+        summary["cache_store"] = self.store_info()  # the shared tier (--cache-store), or None
         # Per preprocessing worker: items (in reusable slots), busy and CPU seconds, restarts; [] without a pool.
         summary["preprocess_workers"] = self.preprocess_pool.stats() if self.preprocess_pool is not None else []
         return summary

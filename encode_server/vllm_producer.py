@@ -13,6 +13,10 @@ For each media item of a chat-completions body (`admission.chat`: images, videos
    of its pixels and frames, a float WAV of its waveform);
 6. each item's rows are written to the storage (`delivery.ec_storage`: atomically, within the bound).
 
+With `--cache-store`, an item the storage lacks is first asked of Mooncake Store under vLLM's own key
+(`cache.store_tier`, vLLM's namespace and identifier): a hit is written to the storage, not encoded;
+what is encoded is published there in the background, for vLLM encoders and other servers of the pool.
+
 The answer comes only once every item's file is in place; any bad item fails the whole request with a
 400 naming it before anything is encoded or written. An identifier already being encoded for another
 request is waited for, not encoded twice.
@@ -25,6 +29,7 @@ import logging
 from dataclasses import dataclass
 
 from encode_server.admission.chat import ChatMediaPart
+from encode_server.cache.store_tier import StoreTier, row_widths, vllm_namespace
 from encode_server.delivery.ec_storage import ECStorage, check_identifier
 from encode_server.delivery.vllm_hash import (
     EncodedImage,
@@ -119,8 +124,9 @@ class VllmProducer:
     """Stores items' rows where vLLM's `ECExampleConnector` consumers read them; see the module docstring."""
 
     def __init__(self, service: EncoderService, storage: ECStorage, model_id: str, algorithm: str,
-                 video_processor: str | None = None) -> None:
+                 video_processor: str | None = None, store: StoreTier | None = None) -> None:
         self.service = service
+        self.shared = store  # the shared tier under vLLM's namespace (--cache-store), or None
         self.storage = storage
         self.model_id = model_id
         self.algorithm = algorithm
@@ -140,7 +146,13 @@ class VllmProducer:
             family = family_named(service.adapter.info.family)
             video_processor = video_processor_name(settings.model, family.model_types[0] if family and
                                                    family.model_types else None)
-        return cls(service, storage, settings.ec_identifier_model, settings.ec_hash_algorithm, video_processor)
+        store = None
+        if service.store is not None:
+            store = StoreTier(service.store, vllm_namespace(settings, service.adapter),
+                              row_widths(service.adapter.info))
+            log.info("vLLM producer: shared tier under %s", store.namespace)
+        return cls(service, storage, settings.ec_identifier_model, settings.ec_hash_algorithm, video_processor,
+                   store)
 
     def close(self) -> None:
         self.resampler.close()
@@ -193,6 +205,9 @@ class VllmProducer:
                 if await loop.run_in_executor(pool, self.storage.lookup, part.uuid):
                     return _Prepared(part.uuid, hit=True,
                                      rows=await loop.run_in_executor(pool, self.storage.stored_rows, part.uuid))
+                shared = await self._from_store(part.uuid, part.modality)
+                if shared is not None:
+                    return shared
                 if part.url is None:
                     raise MediaError(part.location, f"no item is stored under uuid {part.uuid!r} and the part "
                                                     f"has no URL to encode it from")
@@ -203,11 +218,26 @@ class VllmProducer:
                 data = await self.service.media.fetch(url, part.location, part.modality)
             else:
                 raise MediaError(part.location, "the URL must be an http(s) or data: URL")
-            return await loop.run_in_executor(pool, self._identify, part, data)
+            prepared = await loop.run_in_executor(pool, self._identify, part, data)
+            if not prepared.hit and part.uuid is None:
+                shared = await self._from_store(prepared.identifier, part.modality)
+                if shared is not None:
+                    return shared
+            return prepared
         except MediaError as exc:
             raise EncodeError(400, str(exc), req_id) from None
         except ValueError as exc:  # an identifier that cannot name a folder
             raise EncodeError(400, f"{part.location}.uuid: {exc}", req_id) from None
+
+    async def _from_store(self, identifier: str, modality: str) -> _Prepared | None:
+        """An item the shared tier holds, written to the storage as if encoded here; None: not there."""
+        if self.shared is None or identifier in self._inflight:
+            return None
+        rows = await self.shared.lookup_rows(modality, identifier)
+        if rows is None:
+            return None
+        await asyncio.get_running_loop().run_in_executor(self.service.media_pool, self.storage.write, identifier, rows)
+        return _Prepared(identifier, hit=True, rows=int(rows.shape[0]))
 
     def _identify(self, part: ChatMediaPart, data: bytes | None) -> _Prepared:
         """In a media thread: decode as vLLM does, hash, look up."""
@@ -275,6 +305,8 @@ class VllmProducer:
             log.exception("vLLM producer: storing %d items failed", len(identifiers))
             raise error from None
         for identifier, rows in zip(identifiers, pieces):
+            if self.shared is not None:
+                self.shared.publish(identifier, rows)
             owned[identifier][0].set_result(int(rows.shape[0]))
             self._inflight.pop(identifier, None)
 

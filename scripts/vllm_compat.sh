@@ -30,6 +30,8 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
 # vLLM's GLM-4.1V module imports its compressed-tensors quantization layer (pinned 0.17.0).
 "${PIP[@]}" --no-deps compressed-tensors==0.17.0
 "${PIP[@]}" loguru
+# scripts/vllm_store_compat.py: Mooncake Store's client and binaries, for vLLM's embedding store client.
+"${PIP[@]}" "mooncake-transfer-engine-non-cuda>=0.3.13,<0.4"
 # vLLM resamples audio with torchaudio (its own pin; pure Python where vLLM uses it).
 "${PIP[@]}" --no-deps torchaudio==2.11.0
 "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -e "$ROOT"

@@ -36,7 +36,7 @@ QUICK_MODULES = frozenset({
     "test_prefill_counts", "test_priority_pool", "test_qwen_video_settings", "test_registrations",
     "test_safetensors_ranges", "test_scheduler", "test_scheduler_priority", "test_scheduler_thread", "test_sender",
     "test_service", "test_service_priority", "test_settings", "test_sglang_wire", "test_wire_deepstack",
-    "test_omni_delivery",
+    "test_omni_delivery", "test_store_format",
 })
 
 

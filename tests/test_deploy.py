@@ -205,7 +205,7 @@ def test_manifest_runs_the_image_the_dockerfile_documents_building():
     assert image == tag and image.rsplit("/", 1)[-1].startswith("encode-server:")
 
 
-def test_dockerfile_installs_the_video_and_vllm_extras_on_a_cuda_base_and_runs_the_server():
+def test_dockerfile_installs_the_video_vllm_and_mooncake_extras_on_a_cuda_base_and_runs_the_server():
     instructions = dockerfile_instructions()
     arguments = {}
     for keyword, rest in instructions:
@@ -216,7 +216,8 @@ def test_dockerfile_installs_the_video_and_vllm_extras_on_a_cuda_base_and_runs_t
     runs = " ".join(arguments["RUN"])
     torch_install = 'pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url '
     assert torch_install + '"${TORCH_INDEX_URL}"' in runs
-    assert 'pip install ".[video,vllm]"' in runs  # PyAV for video files; OpenCV for the vLLM producer's videos
+    # PyAV for video files; OpenCV for the vLLM producer's videos; Mooncake for --cache-store and its master
+    assert 'pip install ".[video,vllm,mooncake]"' in runs and "libibverbs1" in runs
     assert json.loads(arguments["ENTRYPOINT"][0]) == ["encode-server"]
     assert arguments["EXPOSE"] == ["30000"]
     env = " ".join(arguments["ENV"])
@@ -241,3 +242,36 @@ def test_systemd_unit_runs_the_server_with_an_environment_file():
     unit = (DEPLOY / "systemd" / "encode-server.service").read_text()
     assert "ExecStart=" in unit and "encode-server" in unit and "EnvironmentFile=" in unit
     assert "KillSignal=SIGTERM" in unit
+
+
+MOONCAKE = DEPLOY / "kubernetes" / "mooncake-master.yaml"
+
+
+def test_the_mooncake_manifest_runs_a_master_and_store_memory_the_encoders_point_at():
+    docs = yaml.safe_load_all(MOONCAKE.read_text())
+    kinds = {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+    assert set(kinds) == {("Deployment", "mooncake-master"), ("Service", "mooncake-master"),
+                          ("Deployment", "mooncake-store")}
+    master = kinds[("Deployment", "mooncake-master")]["spec"]["template"]["spec"]["containers"][0]
+    assert master["command"] == ["mooncake_master"] and "--rpc_port=50051" in master["args"]
+    service = kinds[("Service", "mooncake-master")]["spec"]
+    assert service["selector"] == kinds[("Deployment", "mooncake-master")]["spec"]["selector"]["matchLabels"]
+    assert {"name": "rpc", "port": 50051, "targetPort": "rpc"} in service["ports"]
+    store = kinds[("Deployment", "mooncake-store")]["spec"]["template"]["spec"]["containers"][0]
+    assert store["command"] == ["mooncake_client"]
+    assert "--master_server_address=mooncake-master:50051" in store["args"]
+    # Both run from the image the encoders run (its mooncake extra), and the encoders point at the Service.
+    assert master["image"] == store["image"] == documented_build_tag(DOCKERFILE.read_text())
+    env = {entry["name"]: entry.get("value") for entry in
+           manifest()["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ENCODER_CACHE_STORE"] == "mooncake://mooncake-master:50051"
+    assert env["ENCODER_CACHE_STORE_GLOBAL_SEGMENT_SIZE"] == "0"
+
+
+def test_the_store_pool_launcher_is_valid_and_uses_real_flags():
+    script = ROOT / "scripts" / "store_pool.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    launch = next(line for line in script.read_text().splitlines() if line.strip().startswith("encode-server "))
+    continued = script.read_text().split(launch, 1)[1].splitlines()[0]
+    for flag in re.findall(r"(--[a-z][a-z-]+)", launch + continued):
+        assert flag in KNOWN_FLAGS, f"store_pool.sh: unknown flag {flag}"

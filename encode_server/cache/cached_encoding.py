@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from encode_server.cache.embedding_cache import CachedItem, EmbeddingCache, ItemKeys, adapter_fingerprint
+from encode_server.cache.store_tier import StoreTier
 from encode_server.media.decoding import MediaError, MediaLimits
 from encode_server.media.loader import LoadedItem, MediaLoader, MediaSource, RawItem, each_in_order
 from encode_server.ops.memory import default_cache_bytes
@@ -37,8 +38,11 @@ class CachedEncoding:
     """Serves a part's items from the cache where it can, and encodes the rest as one job."""
 
     def __init__(self, cache: EmbeddingCache, keys: ItemKeys, media: MediaLoader,
-                 describe: Callable[[str, Any], Any], metrics: ServerMetrics, submit: SubmitJob) -> None:
+                 describe: Callable[[str, Any], Any], metrics: ServerMetrics, submit: SubmitJob,
+                 store: StoreTier | None = None, now: Callable[[], float] = time.monotonic) -> None:
         self.cache = cache
+        self.store = store  # the shared second tier (Mooncake Store), or None
+        self.now = now  # the clock requests' deadlines are on
         self.item_keys = keys
         self.media = media
         self.describe = describe  # the adapter's `item_layout`
@@ -59,12 +63,26 @@ class CachedEncoding:
                                      self.describe, self.cache.probably_holds)
         read_s = time.perf_counter() - started
         own: list[EncodedPart] = []
+        from_store: set[Any] = set()  # keys this request's computation found in the shared tier
 
         async def compute(positions: list[int], waiting: SharedDemand) -> list[CachedItem]:
-            part = await self._encode_missing(meta, [read[position] for position in positions], waiting)
+            items = [read[position] for position in positions]
+            found: list[CachedItem | None] = [None] * len(items)
+            if self.store is not None:
+                found = await self.store.lookup(meta.modality, [item.digest.hex() for item in items],
+                                                _store_timeout(self.store, waiting, self.now()))
+                from_store.update(item.digest for item, hit in zip(items, found) if hit is not None)
+            missing = [index for index, hit in enumerate(found) if hit is None]
+            if not missing:
+                return found
+            part = await self._encode_missing(meta, [items[index] for index in missing], waiting)
             own.append(part)
             rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
-            return [CachedItem.compact(item_rows, layout) for item_rows, layout in zip(rows, part.layouts)]
+            for index, item_rows, layout in zip(missing, rows, part.layouts):
+                found[index] = CachedItem.compact(item_rows, layout)
+                if self.store is not None:
+                    self.store.publish(items[index].digest.hex(), found[index].rows, layout)
+            return found
 
         try:
             resolved = await self.cache.resolve([item.digest for item in read], compute, demand or Demand())
@@ -73,6 +91,8 @@ class CachedEncoding:
         except EncodeError as exc:  # the encoder failed; the error may come from another request's computation
             raise EncodeError(exc.status, exc.message, meta.req_id, exc.headers) from None
         rows = [result.item.rows for result in resolved]
+        tiers = tuple("store" if item.digest in from_store else "local" if result.cached else None
+                      for item, result in zip(read, resolved))
         part = own[0] if own else None
         timings = part.timings if part else Timings()
         timings = dataclasses.replace(timings, preprocess=timings.preprocess + read_s * 1e3)
@@ -84,7 +104,7 @@ class CachedEncoding:
         return EncodedPart(embedding=embedding,
                            layouts=tuple(result.item.layout for result in resolved),
                            batch_size=part.batch_size if part else 0, timings=timings,
-                           cached=tuple(result.cached for result in resolved))
+                           cached=tuple(tier is not None for tier in tiers), cache_tiers=tiers)
 
     async def _encode_missing(self, meta: PartMeta, items: list[RawItem], waiting: SharedDemand) -> EncodedPart:
         """Decode the items the cache misses and encode them as one job (the cache cancels it when no
@@ -100,6 +120,13 @@ class CachedEncoding:
 
         results = await each_in_order([decode(item) for item in items])
         return await self.submit(meta, results, time.perf_counter() - started, waiting)
+
+
+def _store_timeout(store: StoreTier, waiting: SharedDemand, now: float) -> float:
+    """The Store's read deadline: `--cache-store-timeout-ms`, never past the most urgent waiting request's."""
+    timeout = store.connection.config.read_timeout_s
+    deadline = waiting.urgency.deadline
+    return timeout if deadline is None else max(0.0, min(timeout, deadline - now))
 
 
 def cache_capacity(settings: Settings) -> int:

@@ -22,7 +22,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 # `*_created` series only add noise to dashboards.
@@ -251,6 +251,10 @@ class ServerMetrics:
         """Export an `cache.embedding_cache.EmbeddingCache`'s counters, read from it at every scrape."""
         self.registry.register(CacheCollector(cache))
 
+    def watch_store(self, connection) -> None:
+        """Export the shared tier's (`cache.store_client.StoreConnection`) counters, read at every scrape."""
+        self.registry.register(StoreCollector(connection))
+
     def watch_ec_storage(self, storage) -> None:
         """Export a `delivery.ec_storage.ECStorage`'s files, bytes and counters, read at every scrape."""
         self.registry.register(ECStorageCollector(storage))
@@ -297,3 +301,43 @@ class ECStorageCollector(Collector):
         yield CounterMetricFamily("encoder_ec_storage_evictions_total",
                                   "Items deleted to keep the EC storage within --ec-storage-bytes",
                                   value=stats.evictions)
+
+
+class StoreCollector(Collector):
+    """The shared embedding tier (Mooncake Store, --cache-store) as Prometheus series, read at scrape time."""
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+
+    def collect(self):
+        stats = self.connection.stats
+        yield CounterMetricFamily("encoder_cache_store_hits_total", "Items the local cache missed and the shared "
+                                  "Store answered (rows checked), not encoded", value=stats.hits)
+        yield CounterMetricFamily("encoder_cache_store_misses_total", "Items asked of the shared Store and not "
+                                  "found there (or not in time, or corrupt): encoded", value=stats.misses)
+        yield CounterMetricFamily("encoder_cache_store_corrupt_total", "Store objects that did not match their key "
+                                  "(header, dtype, width, length, layout): served as misses", value=stats.corrupt)
+        yield CounterMetricFamily("encoder_cache_store_read_timeouts_total", "Store reads past --cache-store-"
+                                  "timeout-ms: served as misses", value=stats.read_timeouts)
+        yield CounterMetricFamily("encoder_cache_store_read_errors_total", "Store reads that failed: served as misses",
+                                  value=stats.read_errors)
+        yield CounterMetricFamily("encoder_cache_store_reads_skipped_total", "Store reads not tried: the master "
+                                  "unreachable or every read thread busy", value=stats.reads_skipped)
+        yield CounterMetricFamily("encoder_cache_store_published_total", "Items published to the Store",
+                                  value=stats.published)
+        yield CounterMetricFamily("encoder_cache_store_publish_drops_total", "Items not published: the queue's "
+                                  "bound (--cache-store-publish-items/-bytes) or the Store unreachable",
+                                  value=stats.publish_drops)
+        yield CounterMetricFamily("encoder_cache_store_publish_errors_total", "Items whose publishing failed",
+                                  value=stats.publish_errors)
+        pending_items, pending_bytes = self.connection.pending
+        yield GaugeMetricFamily("encoder_cache_store_publish_pending_bytes", "Bytes waiting to be published",
+                                value=pending_bytes)
+        yield GaugeMetricFamily("encoder_cache_store_up", "1 while the Store's master answers and the protocol "
+                                "is readable", value=1.0 if self.connection.up else 0.0)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.connection.read_bucket_bounds, float("inf")), stats.read_buckets):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        yield HistogramMetricFamily("encoder_cache_store_read_seconds", "One Store read (an item's objects), "
+                                    "answered within the deadline", buckets=buckets, sum_value=stats.read_seconds_sum)

@@ -61,3 +61,13 @@ def in_networks(address: str, networks: tuple[Network, ...]) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return any(ip.version == network.version and ip in network for network in networks)
+
+
+def parse_store_url(url: str) -> str:
+    """`--cache-store`: `mooncake://host:port` (or `host:port`) -> `host:port`; ValueError naming the form."""
+    address = url[len("mooncake://"):] if url.startswith("mooncake://") else url
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--cache-store {url!r} is not a Mooncake master address: expected mooncake://HOST:PORT "
+                         f"(the master's --rpc_port, 50051 by default)")
+    return address

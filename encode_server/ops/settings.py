@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,13 @@ from typing import Any
 
 import encode_server
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
-from encode_server.ops.setting_values import advertised_url, check_class_path, exempt_networks, registry_urls
+from encode_server.ops.setting_values import (
+    advertised_url,
+    check_class_path,
+    exempt_networks,
+    parse_store_url,
+    registry_urls,
+)
 from processors.dtypes import DTYPES
 
 
@@ -197,6 +204,39 @@ OPTIONS: tuple[Option, ...] = (
     Option("--ec-storage-min-age-s", float, 600.0,
            "vLLM producer: an item written or hit less than this long ago is never deleted, whatever the bound "
            "(a consumer may be about to load it)"),
+    Option("--cache-store", str, None,
+           "the embedding cache's shared second tier: mooncake://HOST:PORT, a Mooncake Store master (its "
+           "--rpc_port); a local miss is read from the Store before encoding, and what is encoded is published "
+           "there for the pool; needs the mooncake extra (docs/DEPLOYMENT.md, A pool-wide cache)"),
+    Option("--cache-store-metadata-server", str, "P2PHANDSHAKE",
+           "Mooncake metadata_server: P2PHANDSHAKE (none), or an etcd/HTTP metadata server address"),
+    Option("--cache-store-protocol", str, "tcp", "Mooncake transfer protocol", choices=("tcp", "rdma")),
+    Option("--cache-store-device-name", str, "",
+           "Mooncake device_name: the RDMA devices (e.g. mlx5_0,mlx5_1) with --cache-store-protocol rdma"),
+    Option("--cache-store-local-hostname", str, "",
+           "Mooncake local_hostname: the address other Store clients reach this one at "
+           "(default: this host's address on the route to the master)"),
+    Option("--cache-store-global-segment-size", parse_byte_size, 512 << 20,
+           "Mooncake global_segment_size: memory this server lends the Store (512 MiB; e.g. 4GiB); 0: none, "
+           "a pure client (entries in a server's segment go when it stops)"),
+    Option("--cache-store-local-buffer-size", parse_byte_size, 128 << 20,
+           "Mooncake local_buffer_size: the client's transfer buffer (128 MiB); one read must fit in it "
+           "(an item's rows)"),
+    Option("--cache-store-timeout-ms", float, 100.0,
+           "longest wait for a Store read; a later answer is a miss (the item is encoded)"),
+    Option("--cache-store-publish-items", int, 1024,
+           "items waiting to be published to the Store at most; beyond, an item is not published (counted)"),
+    Option("--cache-store-publish-bytes", parse_byte_size, 256 << 20,
+           "bytes waiting to be published to the Store at most; beyond, an item is not published (counted)"),
+    Option("--cache-store-prefix", str, "",
+           "vLLM's embedding_cache_prefix: the first part of every Store key (empty: none)"),
+    Option("--cache-store-model", str, None,
+           "vLLM's embedding_model_identity: the model part of the Store keys (default: --ec-model-id, else --model)"),
+    Option("--cache-store-revision", str, "default",
+           "the revision part of the Store keys (vLLM: the consumer's --revision, else default)"),
+    Option("--cache-store-encoder-hash", str, "auto",
+           "the encoder part of vLLM's Store keys, vLLM's MultiModalConfig.compute_hash(); auto: vLLM 0.33's "
+           "value with its default encoder settings"),
 )
 
 
@@ -256,6 +296,20 @@ class Settings:
     ec_hash_algorithm: str = DEFAULTS["ec_hash_algorithm"]
     ec_storage_bytes: int = DEFAULTS["ec_storage_bytes"]
     ec_storage_min_age_s: float = DEFAULTS["ec_storage_min_age_s"]
+    cache_store: str | None = DEFAULTS["cache_store"]
+    cache_store_metadata_server: str = DEFAULTS["cache_store_metadata_server"]
+    cache_store_protocol: str = DEFAULTS["cache_store_protocol"]
+    cache_store_device_name: str = DEFAULTS["cache_store_device_name"]
+    cache_store_local_hostname: str = DEFAULTS["cache_store_local_hostname"]
+    cache_store_global_segment_size: int = DEFAULTS["cache_store_global_segment_size"]
+    cache_store_local_buffer_size: int = DEFAULTS["cache_store_local_buffer_size"]
+    cache_store_timeout_ms: float = DEFAULTS["cache_store_timeout_ms"]
+    cache_store_publish_items: int = DEFAULTS["cache_store_publish_items"]
+    cache_store_publish_bytes: int = DEFAULTS["cache_store_publish_bytes"]
+    cache_store_prefix: str = DEFAULTS["cache_store_prefix"]
+    cache_store_model: str | None = DEFAULTS["cache_store_model"]
+    cache_store_revision: str = DEFAULTS["cache_store_revision"]
+    cache_store_encoder_hash: str = DEFAULTS["cache_store_encoder_hash"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -298,6 +352,20 @@ class Settings:
             raise ValueError("--ec-storage-bytes and --ec-storage-min-age-s must not be negative")
         if self.ec_storage is not None and not self.ec_storage.strip():
             raise ValueError("--ec-storage must name a folder")
+        if self.cache_store is not None:
+            parse_store_url(self.cache_store)
+            if self.cache_bytes == 0:
+                raise ValueError("--cache-store is the second tier of the embedding cache: it needs the first "
+                                 "(--cache-bytes above 0, or auto)")
+            if importlib.util.find_spec("mooncake") is None:
+                raise ValueError("--cache-store needs Mooncake Store's client, which is not installed: "
+                                 "pip install 'encode-server[mooncake]' (the mooncake-transfer-engine-non-cuda "
+                                 "package; its binaries also need the system's libibverbs1)")
+        if self.cache_store_timeout_ms <= 0 or self.cache_store_publish_items < 0 or self.cache_store_publish_bytes < 0:
+            raise ValueError("--cache-store-timeout-ms must be positive; --cache-store-publish-items and "
+                             "--cache-store-publish-bytes must not be negative")
+        if self.cache_store_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"--cache-store-protocol must be tcp or rdma, got {self.cache_store_protocol!r}")
         if self.register_with:
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
