@@ -155,6 +155,18 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+def transport_info(state, settings: Settings) -> dict[str, Any]:
+    """How rows leave this server, per consumer kind: `/server_info`'s `transport`."""
+    pusher = getattr(state, "vllm_pusher", None)
+    if pusher is not None:
+        vllm: dict[str, Any] | None = pusher.info()
+    elif settings.ec_storage:
+        vllm = {"connector": "ECExampleConnector", "role": "ec_producer", "shared_storage_path": settings.ec_storage}
+    else:
+        vllm = None
+    return {"vllm": vllm, "sglang": {"backend": "zmq", "wire_format": settings.wire_format}}
+
+
 def create_app(settings: Settings, adapter=None, group=None):
     """The ASGI app for `settings`; the model is built at start-up unless an `adapter` is given."""
 
@@ -167,10 +179,15 @@ def create_app(settings: Settings, adapter=None, group=None):
         log.info("warmed up in %.1f s; starting the scheduler", time.monotonic() - warming)
         service = EncoderService(settings, encoder, group, scheduler_thread=True)
         await service.start()
-        if settings.ec_storage:
+        if settings.ec_storage or settings.vllm_push:
             from encode_server.vllm_producer import VllmProducer
 
             app.state.vllm_producer = await asyncio.to_thread(VllmProducer.from_settings, service, settings)
+        if settings.vllm_push:
+            from encode_server.fronts.vllm_mooncake import MooncakePusher
+
+            app.state.vllm_pusher = await asyncio.to_thread(MooncakePusher, settings.vllm_push, encoder.info.family)
+            service.metrics.watch_transport(app.state.vllm_pusher)
         app.state.service = service
         # The model and its libraries leave ~a million long-lived objects; frozen, full collections
         # under load stop scanning them (p99 at c=16 went from up to 290 ms to under 55 ms here).
@@ -183,6 +200,8 @@ def create_app(settings: Settings, adapter=None, group=None):
         finally:
             if getattr(app.state, "vllm_producer", None) is not None:
                 app.state.vllm_producer.close()
+            if getattr(app.state, "vllm_pusher", None) is not None:
+                app.state.vllm_pusher.close()
             await service.stop()
 
     app = FastAPI(title="encode-server", version=encode_server.__version__, lifespan=lifespan)
@@ -227,7 +246,9 @@ def create_app(settings: Settings, adapter=None, group=None):
 
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
-        return JSONResponse(request.app.state.service.server_info())
+        info = request.app.state.service.server_info()
+        info["transport"] = transport_info(request.app.state, settings)
+        return JSONResponse(info)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

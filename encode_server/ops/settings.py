@@ -19,6 +19,7 @@ from typing import Any
 import encode_server
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
+from encode_server.ops.transfer_config import ECTransferConfig, parse_ec_transfer_config
 from processors.dtypes import DTYPES
 
 
@@ -193,6 +194,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--ec-storage-min-age-s", float, 600.0,
            "vLLM producer: an item written or hit less than this long ago is never deleted, whatever the bound "
            "(a consumer may be about to load it)"),
+    Option("--ec-transfer-config", str, None,
+           "vLLM producer: vLLM's --ec-transfer-config JSON, as the consumers are started with: ec_connector "
+           "ECMooncakeConnector (rows pushed with Mooncake's TransferEngine into the consumer's reserved buffer; "
+           "ec_buffer_size bounds the registered memory, ec_connector_extra_config.mooncake_protocol rdma or tcp) or "
+           "ECExampleConnector (its shared_storage_path: the files of --ec-storage); ec_role ec_producer "
+           "(docs/DEPLOYMENT.md, Using it with vLLM)"),
 )
 
 
@@ -251,6 +258,7 @@ class Settings:
     ec_hash_algorithm: str = DEFAULTS["ec_hash_algorithm"]
     ec_storage_bytes: int = DEFAULTS["ec_storage_bytes"]
     ec_storage_min_age_s: float = DEFAULTS["ec_storage_min_age_s"]
+    ec_transfer_config: str | None = DEFAULTS["ec_transfer_config"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -292,6 +300,16 @@ class Settings:
             raise ValueError("--ec-storage-bytes and --ec-storage-min-age-s must not be negative")
         if self.ec_storage is not None and not self.ec_storage.strip():
             raise ValueError("--ec-storage must name a folder")
+        if self.ec_transfer_config is not None:
+            transfer = parse_ec_transfer_config(self.ec_transfer_config)
+            if transfer.storage_path is not None:
+                if self.ec_storage is not None and self.ec_storage != transfer.storage_path:
+                    raise ValueError(f"--ec-storage {self.ec_storage!r} and the --ec-transfer-config's "
+                                     f"shared_storage_path {transfer.storage_path!r} differ: give one")
+                object.__setattr__(self, "ec_storage", transfer.storage_path)
+            elif self.ec_storage is not None:
+                raise ValueError(f"--ec-storage writes files for ECExampleConnector, --ec-transfer-config asks for "
+                                 f"{transfer.connector}: one vLLM connector per server")
         if self.register_with:
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
@@ -300,6 +318,17 @@ class Settings:
     def ec_identifier_model(self) -> str:
         """The model string in vLLM identifiers: `--ec-model-id`, else `--model`."""
         return self.ec_model_id or self.model
+
+    @property
+    def ec_transfer(self) -> ECTransferConfig | None:
+        """`--ec-transfer-config`, read (None: not given)."""
+        return None if self.ec_transfer_config is None else parse_ec_transfer_config(self.ec_transfer_config)
+
+    @property
+    def vllm_push(self) -> ECTransferConfig | None:
+        """The transfer config when it asks for a connector that pushes rows (not ECExampleConnector's files)."""
+        transfer = self.ec_transfer
+        return transfer if transfer is not None and transfer.storage_path is None else None
 
     @property
     def adaptive_wait(self) -> bool:
