@@ -133,6 +133,14 @@ def test_many_items_concurrently_leave_nothing_registered_or_reserved():
         assert all(len(consumer.received(f"m{index}")) == 1 for index in range(len(images)))
         assert srv.metric("encoder_transport_transfers_total", transport="ECMooncakeConnector") == len(images)
         assert_nothing_held(srv)
+        # A retried request (the same transfer id, the same item) is answered without a second push; the same
+        # transfer id naming another item is a conflict.
+        reserves = consumer.requests.count("reserve_batch")
+        assert push(srv, consumer.address, [image_part(data_url(images[0]))], ["m0"]).status_code == 200
+        assert consumer.requests.count("reserve_batch") == reserves
+        conflict = push(srv, consumer.address, [image_part(data_url(images[1]))], ["m0"])
+        assert conflict.status_code == 409 and "m0" in conflict.json()["error"]["message"], conflict.text
+        assert_nothing_held(srv)
 
 
 def test_refusals_expiry_and_a_dead_consumer_fail_only_their_items_and_release_everything():

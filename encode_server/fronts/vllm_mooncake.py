@@ -16,7 +16,10 @@ proxy drives an encoder instance:
 5. Each rank is told what landed with one `complete_batch` (the written and the `cached` reservations;
    a reservation that follows another writer of the same item is neither written nor completed, as
    vLLM's producer does); an answer that does not say `completed` for a written item fails it.
-6. On any failure every reservation taken is cancelled (`cancel` with `abandon`), the registration is
+6. A transfer id pushed already (a retried request) is not pushed again: vLLM's producer keeps its finished
+   pushes for the same reason, and a second reservation would only hold the consumer's copy until it expires.
+   The same id naming another item or consumer is a 409.
+7. On any failure every reservation taken is cancelled (`cancel` with `abandon`), the registration is
    released, and the request fails with an OpenAI error: 503 with Retry-After when the consumer's
    buffer or our registered-memory bound is full, 502 when the consumer is gone or refuses.
 
@@ -32,6 +35,7 @@ import asyncio
 import logging
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,22 +51,33 @@ from encode_server.vllm_producer import ItemRows
 
 log = logging.getLogger("encode_server.fronts.vllm_mooncake")
 
-#: Families whose vLLM processor sizes image and video placeholders from `image_grid_thw` / `video_grid_thw`.
-GRID_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "qwen2_5_omni", "qwen3_omni_moe"})
-#: Families whose vLLM processor sizes an audio placeholder from `audio_num_tokens`.
-AUDIO_TOKEN_FAMILIES = frozenset({"qwen2_audio", "qwen2_5_omni", "qwen3_omni_moe"})
+#: (family, modality) -> the placeholder fields vLLM 0.33's data parser declares (`embedding_fields`, role
+#: "metadata"), where this server can fill every one of them. Elsewhere nothing is published and the proxy sends
+#: the consumer the media itself (Qwen3-VL videos also need their timestamps, the Omni models' videos
+#: `second_per_grid_ts` and their audio `audio_feature_lengths`; GLM-4.1V declares none). Checked against
+#: vLLM's own declarations by `scripts/vllm_transport_compat.py`.
+PLACEHOLDER_FIELDS: dict[tuple[str, str], str] = {
+    **{(family, "image"): "image_grid_thw" for family in
+       ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni_moe")},
+    ("qwen2_vl", "video"): "video_grid_thw",
+    ("qwen2_5_vl", "video"): "video_grid_thw",
+    ("qwen2_audio", "audio"): "audio_num_tokens",
+}
 _CONSUMER = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 #: Worker threads pushing at once (each holds one request's control exchanges and writes).
 PUSH_THREADS = 16
+#: Transfer ids remembered as pushed (vLLM's producer keeps 65536 finished pushes).
+PUSHED_KEPT = 1 << 16
 
 
 def placeholder_metadata(family: str, item: ItemRows) -> dict[str, list[int]]:
     """What vLLM's producer publishes beside an item for its consumer to size the placeholder with
     (`MultiModalDataParser.placeholder_metadata_fields`); empty where this server does not know it."""
-    if item.modality in ("image", "video") and family in GRID_FAMILIES:
-        return {f"{item.modality}_grid_thw": [int(value) for value in item.layout.grid_thw]}
-    if item.modality == "audio" and family in AUDIO_TOKEN_FAMILIES:
-        return {"audio_num_tokens": [int(item.layout.tokens)]}
+    name = PLACEHOLDER_FIELDS.get((family, item.modality))
+    if name == "audio_num_tokens":
+        return {name: [int(item.layout.tokens)]}
+    if name is not None:
+        return {name: [int(value) for value in item.layout.grid_thw]}
     return {}
 
 
@@ -125,6 +140,9 @@ class MooncakePusher:
         self.control = ControlClient(config.control_timeout_s)
         self._threads = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="ec-mooncake-push")
         self._lock = threading.Lock()
+        # Transfer ids pushed (or being pushed) -> what was pushed where: the same transfer asked for again (a
+        # proxy's retry) is answered without a second reservation, as vLLM's producer keeps its finished pushes.
+        self._pushed: OrderedDict[str, tuple] = OrderedDict()
         self.open_reservations = 0  # reservations taken on consumers and not settled yet (completed or cancelled)
 
     def _opened(self, count: int) -> None:
@@ -151,11 +169,17 @@ class MooncakePusher:
             raise EncodeError(400, str(exc), request_id) from None
         pushes = [_Push(transfer_id, item, item.rows.detach().to("cpu").contiguous())
                   for transfer_id, item in zip(ids, items)]
+        fresh = self._claim(consumer, pushes, request_id)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._threads, self._push, consumer, pushes)
+            if fresh:
+                await asyncio.get_running_loop().run_in_executor(self._threads, self._push, consumer, fresh)
         except PushFailed as failure:
+            self._release(fresh)
             headers = {"Retry-After": str(failure.retry_after_s)} if failure.retry_after_s else None
             raise EncodeError(failure.status, str(failure), request_id, headers=headers) from None
+        except BaseException:
+            self._release(fresh)
+            raise
         answer: dict[str, Any] = {}
         for index, push in enumerate(pushes):
             entry = answer.setdefault(push.item.identifier, {
@@ -164,6 +188,32 @@ class MooncakePusher:
             entry["item_indices"].append(index)
             entry["transfer_id"] = push.transfer_id
         return answer
+
+    def _claim(self, consumer: str, pushes: list[_Push], request_id: str) -> list[_Push]:
+        """The pushes not pushed yet; a transfer id already pushed (or being pushed) with the same item to the same
+        consumer is skipped, one naming another item or consumer is a 409."""
+        fresh = []
+        with self._lock:
+            for push in pushes:
+                key = (consumer, push.item.identifier, push.rows.nbytes, tuple(push.rows.shape), str(push.rows.dtype))
+                known = self._pushed.get(push.transfer_id)
+                if known is None:
+                    self._pushed[push.transfer_id] = key
+                    fresh.append(push)
+                elif known != key:
+                    for claimed in fresh:
+                        self._pushed.pop(claimed.transfer_id, None)
+                    raise EncodeError(409, f"ECMooncakeConnector: transfer_id {push.transfer_id!r} was already pushed "
+                                           f"with another item or to another consumer", request_id)
+            while len(self._pushed) > PUSHED_KEPT:
+                self._pushed.popitem(last=False)
+        return fresh
+
+    def _release(self, pushes: list[_Push]) -> None:
+        """Forget failed pushes' transfer ids, so that a retry pushes them again."""
+        with self._lock:
+            for push in pushes:
+                self._pushed.pop(push.transfer_id, None)
 
     # --- in a push thread ------------------------------------------------------------------------
 
