@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import encode_server
+from encode_server.ops.libraries import installed, missing_message
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
 from encode_server.ops.transfer_config import ECTransferConfig, parse_ec_transfer_config
@@ -194,6 +195,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("--ec-storage-min-age-s", float, 600.0,
            "vLLM producer: an item written or hit less than this long ago is never deleted, whatever the bound "
            "(a consumer may be about to load it)"),
+    Option("--encoder-transfer-backend", str, "zmq_to_scheduler",
+           "SGLang's --encoder-transfer-backend, as its language side runs: zmq_to_scheduler or zmq_to_tokenizer (rows "
+           "pushed over ZMQ, as --wire-format says), or mooncake (rows staged here; each receiver rank pulls their "
+           "sizes from /scheduler_receive_meta_data and has them written into its buffer with Mooncake's "
+           "TransferEngine through /send, then gets SGLang's EmbeddingData frame)",
+           choices=("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")),
+    Option("--mooncake-protocol", str, "rdma",
+           "with --encoder-transfer-backend mooncake: the TransferEngine's transport, rdma (SGLang's default) or tcp "
+           "(no RDMA NIC needed)", aliases=("MOONCAKE_PROTOCOL",), choices=("rdma", "tcp", "efa")),
+    Option("--disaggregation-ib-device", str, None,
+           "with --encoder-transfer-backend mooncake: the RDMA device(s) the TransferEngine uses, as SGLang's flag "
+           "(default: its own discovery)"),
+    Option("--mooncake-host", str, None,
+           "with --encoder-transfer-backend mooncake: the address this encoder's TransferEngine is known by "
+           "(default: the host of --advertise-url, else --host when it is not a wildcard)"),
+    Option("--mooncake-registered-bytes", parse_byte_size, 4 << 30,
+           "with --encoder-transfer-backend mooncake: most bytes of rows registered with the TransferEngine at once "
+           "(e.g. 4GiB); a /send beyond it gets 503 with Retry-After"),
     Option("--ec-transfer-config", str, None,
            "vLLM producer: vLLM's --ec-transfer-config JSON, as the consumers are started with: ec_connector "
            "ECMooncakeConnector (rows pushed with Mooncake's TransferEngine into the consumer's reserved buffer; "
@@ -259,6 +278,11 @@ class Settings:
     ec_storage_bytes: int = DEFAULTS["ec_storage_bytes"]
     ec_storage_min_age_s: float = DEFAULTS["ec_storage_min_age_s"]
     ec_transfer_config: str | None = DEFAULTS["ec_transfer_config"]
+    encoder_transfer_backend: str = DEFAULTS["encoder_transfer_backend"]
+    mooncake_protocol: str = DEFAULTS["mooncake_protocol"]
+    disaggregation_ib_device: str | None = DEFAULTS["disaggregation_ib_device"]
+    mooncake_host: str | None = DEFAULTS["mooncake_host"]
+    mooncake_registered_bytes: int = DEFAULTS["mooncake_registered_bytes"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -310,6 +334,15 @@ class Settings:
             elif self.ec_storage is not None:
                 raise ValueError(f"--ec-storage writes files for ECExampleConnector, --ec-transfer-config asks for "
                                  f"{transfer.connector}: one vLLM connector per server")
+        if self.encoder_transfer_backend not in ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake"):
+            raise ValueError(f"--encoder-transfer-backend must be zmq_to_scheduler, zmq_to_tokenizer or mooncake, "
+                             f"got {self.encoder_transfer_backend!r}")
+        if self.encoder_transfer_backend == "mooncake":
+            if not installed("mooncake"):
+                raise ValueError(missing_message("mooncake", "--encoder-transfer-backend mooncake"))
+            if self.mooncake_registered_bytes <= 0:
+                raise ValueError("--mooncake-registered-bytes must be positive")
+            self.transfer_host  # noqa: B018 - refuses a wildcard --host without --mooncake-host
         if self.register_with:
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
@@ -318,6 +351,22 @@ class Settings:
     def ec_identifier_model(self) -> str:
         """The model string in vLLM identifiers: `--ec-model-id`, else `--model`."""
         return self.ec_model_id or self.model
+
+    @property
+    def transfer_host(self) -> str:
+        """The address the SGLang mooncake backend's TransferEngine is known by."""
+        if self.mooncake_host:
+            return self.mooncake_host
+        if self.advertise_url:
+            from urllib.parse import urlsplit
+
+            host = urlsplit(self.advertise_url).hostname
+            if host:
+                return host
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"--encoder-transfer-backend mooncake: --host {self.host!r} is a wildcard; give the "
+                             f"address receivers know this encoder by with --mooncake-host (or --advertise-url)")
+        return self.host
 
     @property
     def ec_transfer(self) -> ECTransferConfig | None:
