@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from encode_server.delivery.sglang_wire import SglangFrames, receiver_grid, video_timestamps
+from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.delivery.sockets import EmbeddingSender, check_endpoint
 from encode_server.records import EncodedPart, EncodeError, PartMeta
 from encode_server.transport.mooncake import MooncakeEngine
@@ -63,9 +63,7 @@ class SglangMooncakeStager:
         self.engine = MooncakeEngine(hostname, protocol, limit_bytes, name=NAME, device_name=device_name)
         self.row_width = row_width  # modality -> row width
         self.dtype = dtype
-        self.frames = SglangFrames(embedding_class)
-        self.video_fps = video_fps
-        self.seconds_per_grid_step = seconds_per_grid_step
+        self.wire = SglangWire(embedding_class, seconds_per_grid_step, video_fps)
         self.wait_timeout_s = wait_timeout_s
         self.send_timeout_s = send_timeout_s
         self.sender = EmbeddingSender(send_timeout_s)
@@ -184,7 +182,7 @@ class SglangMooncakeStager:
         except ConnectionError as exc:
             self._parts.pop(req_id, None)  # as SGLang's encoder: a failed send releases the part
             raise EncodeError(502, f"SGLang mooncake backend: {exc}", req_id) from None
-        header = self._header(meta, encoded)
+        header = self.wire.header(meta, encoded)
         try:
             await self.sender.send([endpoint], [header])
         except Exception as exc:  # noqa: BLE001 - the receiver's socket is gone: its request fails there
@@ -199,18 +197,6 @@ class SglangMooncakeStager:
     def _write(self, session: str, rows: torch.Tensor, address: int) -> None:
         with self.engine.memory.pinned([(rows.data_ptr(), rows.nbytes)]):
             self.engine.write(session, [rows.data_ptr()], [address], [rows.nbytes])
-
-    def _header(self, meta: PartMeta, encoded: EncodedPart) -> bytes:
-        grids = [receiver_grid(meta.modality, layout) for layout in encoded.layouts]
-        seconds = stamps = None
-        if meta.modality == "video":
-            if self.seconds_per_grid_step is not None:
-                seconds = [self.seconds_per_grid_step] * len(encoded.layouts)
-            stamps = video_timestamps(encoded.layouts, self.video_fps)
-        return self.frames.embedding_header(
-            req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
-            grids=grids, dtype=encoded.embedding.dtype, shape=encoded.embedding.shape, second_per_grid_ts=seconds,
-            video_timestamps=stamps)
 
     async def _sweep(self) -> None:
         """Free parts whose receivers did not all take them within `send_timeout_s` of staging (or, never

@@ -252,31 +252,27 @@ def create_app(settings: Settings, adapter=None, group=None):
                                    f"--encoder-transfer-backend mooncake")
         return stager
 
-    @app.post("/scheduler_receive_meta_data")
-    async def scheduler_receive_meta_data(request: Request) -> Response:
-        """SGLang's mooncake backend: a receiver rank pulls a part's sizes (waiting until they are known)."""
+    async def small_json(request: Request, what: str, handler) -> Response:
+        """A receiver's small JSON body through `handler`, errors as the contract's error body."""
         payload: Any = None
         try:
-            payload = parse_json(await read_body(request, REGISTRATION_BYTES, "a pull is a small JSON object: "
-                                                 "req_id, part_idx"))
-            return JSONResponse(await mooncake_stager(request).sizes(payload))
+            payload = parse_json(await read_body(request, REGISTRATION_BYTES, f"{what} is a small JSON object"))
+            return JSONResponse(await handler(payload))
         except EncodeError as error:
             if error.req_id is None:
                 error.req_id = request_id_of(payload)
             return error_response(error)
 
+    @app.post("/scheduler_receive_meta_data")
+    async def scheduler_receive_meta_data(request: Request) -> Response:
+        """SGLang's mooncake backend: a receiver rank pulls a part's sizes (waiting until they are known)."""
+        return await small_json(request, "a pull (req_id, part_idx)",
+                                lambda payload: mooncake_stager(request).sizes(payload))
+
     @app.post("/send")
     async def send(request: Request) -> Response:
         """SGLang's mooncake backend: write a part's rows into a receiver rank's buffer, then tell its socket."""
-        payload: Any = None
-        try:
-            payload = parse_json(await read_body(request, REGISTRATION_BYTES, "a send is a small JSON object"))
-            await mooncake_stager(request).send(payload)
-            return JSONResponse(None)
-        except EncodeError as error:
-            if error.req_id is None:
-                error.req_id = request_id_of(payload)
-            return error_response(error)
+        return await small_json(request, "a send", lambda payload: mooncake_stager(request).send(payload))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
