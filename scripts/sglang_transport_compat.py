@@ -110,7 +110,8 @@ def corrupt_image(ranks: Ranks, url: str) -> None:
     ready.set()
     outcome = ranks.collect()
     ok = all(kind == "failed" and "mm_items[0]" in str(payload[0]) for kind, _, payload in outcome.values())
-    detail = "; ".join(f"rank {rank} {kind}: {str(payload)[:160]}" for rank, (kind, _, payload) in sorted(outcome.items()))
+    detail = "; ".join(f"rank {rank} {kind}: {str(payload)[:160]}"
+                       for rank, (kind, _, payload) in sorted(outcome.items()))
     record("mooncake: a corrupt image fails both ranks with our 400 message", ok, detail)
 
 
