@@ -224,3 +224,24 @@ def test_without_the_backend_the_endpoints_say_how_to_turn_it_on():
             answer = httpx.post(f"{srv.url}{path}", json={"req_id": "x", "part_idx": 0}, timeout=30)
             assert answer.status_code == 404 and "--encoder-transfer-backend mooncake" in answer.text
         assert httpx.get(f"{srv.url}/server_info").json()["transport"]["sglang"]["backend"] == "zmq_to_scheduler"
+
+
+@pytest.mark.quick
+def test_settings_refuse_what_the_backend_cannot_honour_in_one_line(monkeypatch):
+    from encode_server.ops import settings as settings_module
+    from encode_server.ops.settings import Settings, load_settings
+
+    with pytest.raises(ValueError, match="--mooncake-host"):
+        Settings(encoder_transfer_backend="mooncake", host="0.0.0.0")
+    assert Settings(encoder_transfer_backend="mooncake", host="0.0.0.0", mooncake_host="10.0.0.7").transfer_host \
+        == "10.0.0.7"
+    assert Settings(encoder_transfer_backend="mooncake", host="0.0.0.0",
+                    advertise_url="http://enc-3:30000").transfer_host == "enc-3"
+    assert load_settings([], {"MOONCAKE_PROTOCOL": "tcp"}).mooncake_protocol == "tcp"  # SGLang's variable
+    with pytest.raises(SystemExit):
+        load_settings(["--encoder-transfer-backend", "nixl"])
+    monkeypatch.setattr(settings_module, "installed", lambda library: False)
+    with pytest.raises(ValueError, match=r"pip install 'encode-server\[mooncake\]'") as refused:
+        Settings(encoder_transfer_backend="mooncake")
+    assert "\n" not in str(refused.value)
+    assert Settings().encoder_transfer_backend == "zmq_to_scheduler"  # nothing asks for the library by default
