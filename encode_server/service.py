@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +57,10 @@ log = logging.getLogger("encode_server.service")
 
 #: The `req_id` of health probes.
 PROBE_REQ_ID = "__health_probe__"
+#: Set by a request whose rows are staged for their receivers to pull (`EncoderService.stager`): called with
+#: its items' layouts as soon as they are known, before the forward, so receivers can size their buffers.
+SIZES_KNOWN: contextvars.ContextVar[Callable[[list[Any]], None] | None] = contextvars.ContextVar(
+    "sizes_known", default=None)
 
 
 def awaits_registrations(request: EncodeRequest) -> bool:
@@ -158,6 +164,9 @@ class EncoderService:
                                        advertised_url(settings.host, settings.port, settings.advertise_url)
                                        ) if settings.register_with else None
         self._withdrawal: asyncio.Task | None = None
+        # A transport whose receivers pull staged rows (SGLang's mooncake backend, `fronts.sglang_mooncake`):
+        # `publish(meta, layouts)`, `stage(meta, part) -> response fields`, `fail(meta, error)`. None: delivered.
+        self.stager: Any = None
 
     def _build_scheduler(self) -> EncoderScheduler:
         """The engine and the scheduler, on the loop they will run on (the running one)."""
@@ -276,7 +285,21 @@ class EncoderService:
 
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
-        """Encode an admitted request, deliver it, and build its response."""
+        """Encode an admitted request, deliver it (or stage it for its receivers to pull), and build its
+        response."""
+        if self.stager is not None and not request.return_embedding:  # rows asked for inline are not staged
+            # Only a job of all the part's items gives its sizes (with the cache on, a job may hold only misses).
+            SIZES_KNOWN.set(lambda layouts: len(layouts) == len(request.mm_items) and
+                            self.stager.publish(meta, layouts))
+            try:
+                part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
+            except EncodeError as error:
+                self.stager.fail(meta, error)
+                raise
+            extra = self.stager.stage(meta, part)
+            response = await encode_response(meta, part, request.return_embedding, self.metrics,
+                                             self.adapter.info.deepstack_of(meta.modality))
+            return part, {**response, **extra}
         part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
         transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
                                                  awaits_registrations(request))
@@ -319,6 +342,9 @@ class EncoderService:
 
     def _job(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, probe: bool = False) -> EncodeJob:
         self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
+        sizes_known = SIZES_KNOWN.get()
+        if sizes_known is not None and not probe:
+            sizes_known([item.layout for item in loaded])
         return EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
                          layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
                          decode_s=decode_s, probe=probe)

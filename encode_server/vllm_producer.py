@@ -28,6 +28,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from encode_server.admission.chat import ChatMediaPart
 from encode_server.cache.store_tier import StoreTier, row_widths, vllm_namespace
 from encode_server.delivery.ec_storage import ECStorage, check_identifier
@@ -52,6 +54,7 @@ from encode_server.media.vllm_video import (
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
+from processors.base import ItemLayout
 from processors.registry import family_named
 
 log = logging.getLogger("encode_server.vllm_producer")
@@ -65,6 +68,16 @@ class StoredItem:
     identifier: str
     tokens: int | None
     hit: bool
+
+
+@dataclass(frozen=True)
+class ItemRows:
+    """One item of a request, encoded: its identifier, modality, rows and layout (its grid)."""
+
+    identifier: str
+    modality: str
+    rows: torch.Tensor
+    layout: ItemLayout
 
 
 @dataclass(frozen=True)
@@ -123,7 +136,7 @@ def _media_type(url: str) -> str:
 class VllmProducer:
     """Stores items' rows where vLLM's `ECExampleConnector` consumers read them; see the module docstring."""
 
-    def __init__(self, service: EncoderService, storage: ECStorage, model_id: str, algorithm: str,
+    def __init__(self, service: EncoderService, storage: ECStorage | None, model_id: str, algorithm: str,
                  video_processor: str | None = None, store: StoreTier | None = None) -> None:
         self.service = service
         self.shared = store  # the shared tier under vLLM's namespace (--cache-store), or None
@@ -133,14 +146,18 @@ class VllmProducer:
         self.video_processor = video_processor
         self.resampler = Resampler()
         self._inflight: dict[str, asyncio.Future[int]] = {}
-        service.metrics.watch_ec_storage(storage)
+        if storage is not None:
+            service.metrics.watch_ec_storage(storage)
 
     @classmethod
     def from_settings(cls, service: EncoderService, settings: Settings) -> VllmProducer:
+        """The producer of `--ec-storage` (with its storage), or of a pushing connector (without one)."""
         check_vllm_layout(service.adapter)
-        storage = ECStorage(settings.ec_storage, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
-        log.info("vLLM producer: storage %s (bound %s bytes), identifiers for model %r with %s", storage.root,
-                 settings.ec_storage_bytes or "no", settings.ec_identifier_model, settings.ec_hash_algorithm)
+        storage = None
+        if settings.ec_storage:
+            storage = ECStorage(settings.ec_storage, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
+            log.info("vLLM producer: storage %s (bound %s bytes), identifiers for model %r with %s", storage.root,
+                     settings.ec_storage_bytes or "no", settings.ec_identifier_model, settings.ec_hash_algorithm)
         video_processor = None
         if service.adapter.supports("video"):
             family = family_named(service.adapter.info.family)
@@ -202,14 +219,15 @@ class VllmProducer:
         try:
             if part.uuid is not None:
                 check_identifier(part.uuid)
-                if await loop.run_in_executor(pool, self.storage.lookup, part.uuid):
+                if self.storage is not None and await loop.run_in_executor(pool, self.storage.lookup, part.uuid):
                     return _Prepared(part.uuid, hit=True,
                                      rows=await loop.run_in_executor(pool, self.storage.stored_rows, part.uuid))
                 shared = await self._from_store(part.uuid, part.modality)
                 if shared is not None:
                     return shared
                 if part.url is None:
-                    raise MediaError(part.location, f"no item is stored under uuid {part.uuid!r} and the part "
+                    where = "stored" if self.storage is not None else "encoded by this server"
+                    raise MediaError(part.location, f"no item is {where} under uuid {part.uuid!r} and the part "
                                                     f"has no URL to encode it from")
             url = part.url or ""
             if url[:5].lower() == "data:":
@@ -267,7 +285,7 @@ class VllmProducer:
                                           part.uuid)
             encode = (lambda: data) if image.native_equivalent else image.png  # noqa: E731
         check_identifier(identifier)
-        if part.uuid is None and self.storage.lookup(identifier):
+        if part.uuid is None and self.storage is not None and self.storage.lookup(identifier):
             return _Prepared(identifier, hit=True, rows=self.storage.stored_rows(identifier))
         return _Prepared(identifier, hit=False, modality=part.modality, encode_item=encode(), location=part.location)
 
@@ -285,7 +303,7 @@ class VllmProducer:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            rows = {identifier: piece for result in results for identifier, piece in result}
+            rows = {identifier: piece for result in results for identifier, piece, _ in result}
             pieces = [rows[identifier] for identifier in identifiers]
             await asyncio.get_running_loop().run_in_executor(
                 self.service.media_pool, self._write_all, list(zip(identifiers, pieces)))
@@ -310,9 +328,10 @@ class VllmProducer:
             owned[identifier][0].set_result(int(rows.shape[0]))
             self._inflight.pop(identifier, None)
 
-    async def _encode_modality(self, owned: dict[str, tuple[asyncio.Future[int], _Prepared]], modality: str,
-                               identifiers: list[str], req_id: str, priority: int) -> list[tuple[str, object]]:
-        """One modality's misses as one job; each item's rows."""
+    async def _encode_modality(self, owned: dict[str, tuple[asyncio.Future[int] | None, _Prepared]], modality: str,
+                               identifiers: list[str], req_id: str, priority: int,
+                               ) -> list[tuple[str, torch.Tensor, ItemLayout]]:
+        """One modality's misses as one job; each item's rows and layout."""
         job_id = req_id if len(owned) == len(identifiers) else f"{req_id}.{modality}"
         try:
             part = await self.service.encode_rows(job_id, modality, [owned[i][1].encode_item for i in identifiers],
@@ -325,7 +344,28 @@ class VllmProducer:
         for layout in part.layouts:
             pieces.append(part.embedding[offset:offset + layout.tokens])
             offset += layout.tokens
-        return list(zip(identifiers, pieces))
+        return list(zip(identifiers, pieces, part.layouts))
+
+    async def rows(self, parts: list[ChatMediaPart], req_id: str, priority: int = 0) -> list[ItemRows]:
+        """Every part's identifier, rows and layout, encoded through the scheduler (an item named twice is
+        encoded once; repeats across requests are the embedding cache's): the source of the pushing
+        connectors, which keep no storage of their own. `EncodeError` on failure."""
+        for part in parts:
+            self._check_modality(part, req_id)
+        prepared = await each_in_order([self._prepare(part, req_id) for part in parts])
+        unique: dict[str, tuple[None, _Prepared]] = {}
+        for item in prepared:
+            unique.setdefault(item.identifier, (None, item))
+        by_modality: dict[str, list[str]] = {}
+        for identifier, (_, item) in unique.items():
+            by_modality.setdefault(item.modality, []).append(identifier)
+        results = await asyncio.gather(*(self._encode_modality(unique, modality, members, req_id, priority)
+                                         for modality, members in by_modality.items()), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        encoded = {identifier: (rows, layout) for result in results for identifier, rows, layout in result}
+        return [ItemRows(item.identifier, item.modality, *encoded[item.identifier]) for item in prepared]
 
     def _write_all(self, items: list[tuple[str, object]]) -> None:
         for identifier, rows in items:

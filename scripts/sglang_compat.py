@@ -206,7 +206,9 @@ class TpGroup:
         return gathered
 
 
-def rank_main(rank: int, world: int, dist_port: int, host: str, commands: mp.Queue, results: mp.Queue) -> None:
+def rank_main(rank: int, world: int, dist_port: int, host: str, commands: mp.Queue, results: mp.Queue,
+              setup=None) -> None:
+    """One scheduler TP rank; `setup(receiver, rank, host)`, when given, adapts the receiver to another backend."""
     quiet()
     try:
         import torch.distributed as dist
@@ -232,6 +234,8 @@ def rank_main(rank: int, world: int, dist_port: int, host: str, commands: mp.Que
         receiver.wait_timeout = 30
         receiver.embedding_pool = None
         receiver.create_req = lambda recv_req: recv_req.rid  # builds the LLM's Req for an abort
+        if setup is not None:
+            setup(receiver, rank, host)
         results.put(("ready", rank, receiver.scheduler_embedding_port))
         while (command := commands.get()) is not None:
             rid, num_items_assigned, encoder_urls = command
@@ -255,14 +259,15 @@ def rank_main(rank: int, world: int, dist_port: int, host: str, commands: mp.Que
 
 
 class Ranks:
-    """Two scheduler TP ranks in their own processes."""
+    """Two scheduler TP ranks in their own processes (`target`: what each runs, `rank_main` by default)."""
 
-    def __init__(self, hosts: tuple[str, ...] = ("127.0.0.1", "::1")) -> None:
+    def __init__(self, hosts: tuple[str, ...] = ("127.0.0.1", "::1"), target=None) -> None:
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.commands = [context.Queue() for _ in hosts]
         port = free_port()
-        self.processes = [context.Process(target=rank_main, args=(rank, len(hosts), port, host, self.commands[rank],
+        self.processes = [context.Process(target=target or rank_main, args=(rank, len(hosts), port, host,
+                                                                            self.commands[rank],
                                                                   self.results), daemon=True)
                           for rank, host in enumerate(hosts)]
         for process in self.processes:
@@ -350,8 +355,9 @@ def tokenizer_mode(urls: list[str], items: list[str], expected, step: str) -> No
     record(step, ok, f"{detail}; {time.monotonic() - started:.2f} s")
 
 
-def scheduler_mode(ranks: Ranks, urls: list[str], items: list[str], expected, step: str) -> None:
-    receiver = tokenizer_receiver(urls, "zmq_to_scheduler")
+def scheduler_mode(ranks: Ranks, urls: list[str], items: list[str], expected, step: str,
+                   backend: str = "zmq_to_scheduler") -> None:
+    receiver = tokenizer_receiver(urls, backend)
     obj = generate_request(items)
     errors = []
     ready = receiver._send_encode_request(obj, on_dispatch_error=errors.append)

@@ -6,6 +6,7 @@
 #   scripts/sglang_compat.sh [VENV]           # default VENV: .sglang-venv in the repository (gitignored)
 #   PYTHONPATH=$PWD VENV/bin/python scripts/sglang_compat.py
 #   PYTHONPATH=$PWD VENV/bin/python scripts/sglang_golden.py check
+#   MOONCAKE_PROTOCOL=tcp MC_FORCE_TCP=1 PYTHONPATH=$PWD VENV/bin/python scripts/sglang_transport_compat.py
 set -euo pipefail
 
 VENV="${1:-$(cd "$(dirname "$0")/.." && pwd)/.sglang-venv}"
@@ -27,4 +28,6 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 "${PIP[@]}" "fastapi>=0.110" "uvicorn>=0.51" "httptools>=0.6" "uvloop>=0.19" "pydantic>=2.6" "aiohttp>=3.9" \
     "pyzmq>=26.4" "orjson>=3.9" "pillow>=10" "numpy>=1.26" "prometheus_client>=0.20" "safetensors>=0.4" \
     "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "huggingface_hub>=1.31,<3" "blake3>=0.4"
+# Mooncake's TransferEngine, for the mooncake backend (scripts/sglang_transport_compat.py).
+"${PIP[@]}" mooncake-transfer-engine-non-cuda
 "$VENV/bin/python" -W ignore -c "import sglang, sglang.srt.disaggregation.encoder.receiver; print('SGLang', sglang.__version__, 'ready in $VENV')"

@@ -14,12 +14,13 @@ PACKAGE = Path(encode_server.__file__).parent
 #: Bottom to top. A module may import its own room and the rooms of lower layers only.
 LAYERS = [
     {"ops", "records"},
-    {"media", "delivery", "scheduling"},
+    {"media", "delivery", "scheduling", "transport"},
     {"parallel"},
     {"preprocessing"},
     {"engine", "cache", "admission", "responses"},
     {"service"},
     {"vllm_producer"},
+    {"fronts"},
     {"http", "receiver"},
     {"__main__"},
     {"bench"},

@@ -268,17 +268,21 @@ class SglangWire:
     def success_frames(self, meta: PartMeta, part: EncodedPart) -> list[bytes | memoryview]:
         from processors.dtypes import raw_bytes
 
+        return [self.header(meta, part), raw_bytes(part.embedding)]
+
+    def header(self, meta: PartMeta, part: EncodedPart) -> bytes:
+        """Frame 0 of a success message: the part's `EmbeddingData` without its tensor (the single frame of
+        SGLang's mooncake backend, whose rows are written into the receiver's buffer instead)."""
         grids = [receiver_grid(meta.modality, layout) for layout in part.layouts]
         seconds = timestamps = None
         if meta.modality == "video":
             if self.seconds_per_grid_step is not None:
                 seconds = [self.seconds_per_grid_step] * len(part.layouts)
             timestamps = video_timestamps(part.layouts, self.video_fps)
-        header = self.frames.embedding_header(
+        return self.frames.embedding_header(
             req_id=meta.req_id, part_idx=meta.part_idx, num_parts=meta.num_parts, modality=meta.modality,
             grids=grids, dtype=part.embedding.dtype, shape=part.embedding.shape, second_per_grid_ts=seconds,
             video_timestamps=timestamps)
-        return [header, raw_bytes(part.embedding)]
 
     def failure_frames(self, meta: PartMeta, status: int, message: str) -> list[bytes | memoryview]:
         """One frame: SGLang fails the request on `error_msg` before it looks for a payload."""

@@ -162,6 +162,22 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+def transport_info(state, settings: Settings) -> dict[str, Any]:
+    """How rows leave this server, per consumer kind: `/server_info`'s `transport`."""
+    pusher = getattr(state, "vllm_pusher", None)
+    if pusher is not None:
+        vllm: dict[str, Any] | None = pusher.info()
+    elif settings.ec_storage:
+        vllm = {"connector": "ECExampleConnector", "role": "ec_producer", "shared_storage_path": settings.ec_storage}
+    else:
+        vllm = None
+    service = getattr(state, "service", None)
+    stager = getattr(service, "stager", None)
+    sglang = stager.info() if stager is not None else {"backend": settings.encoder_transfer_backend,
+                                                        "wire_format": settings.wire_format}
+    return {"vllm": vllm, "sglang": sglang}
+
+
 def create_app(settings: Settings, adapter=None, group=None):
     """The ASGI app for `settings`; the model is built at start-up unless an `adapter` is given."""
 
@@ -174,10 +190,20 @@ def create_app(settings: Settings, adapter=None, group=None):
         log.info("warmed up in %.1f s; starting the scheduler", time.monotonic() - warming)
         service = EncoderService(settings, encoder, group, scheduler_thread=True)
         await service.start()
-        if settings.ec_storage:
+        if settings.ec_storage or settings.vllm_push:
             from encode_server.vllm_producer import VllmProducer
 
             app.state.vllm_producer = await asyncio.to_thread(VllmProducer.from_settings, service, settings)
+        if settings.vllm_push:
+            from encode_server.fronts.vllm_mooncake import MooncakePusher
+
+            app.state.vllm_pusher = await asyncio.to_thread(MooncakePusher, settings.vllm_push, encoder.info.family)
+            service.metrics.watch_transport(app.state.vllm_pusher)
+        if settings.encoder_transfer_backend == "mooncake":
+            from encode_server.fronts.sglang_mooncake import SglangMooncakeStager
+
+            service.stager = await asyncio.to_thread(SglangMooncakeStager.from_settings, settings, encoder)
+            service.metrics.watch_transport(service.stager)
         app.state.service = service
         # The model and its libraries leave ~a million long-lived objects; frozen, full collections
         # under load stop scanning them (p99 at c=16 went from up to 290 ms to under 55 ms here).
@@ -190,6 +216,10 @@ def create_app(settings: Settings, adapter=None, group=None):
         finally:
             if getattr(app.state, "vllm_producer", None) is not None:
                 app.state.vllm_producer.close()
+            if getattr(app.state, "vllm_pusher", None) is not None:
+                app.state.vllm_pusher.close()
+            if service.stager is not None:
+                service.stager.close()
             await service.stop()
 
     app = FastAPI(title="encode-server", version=encode_server.__version__, lifespan=lifespan)
@@ -222,6 +252,35 @@ def create_app(settings: Settings, adapter=None, group=None):
                 error.req_id = request_id_of(payload)
             return error_response(error)
 
+    def mooncake_stager(request: Request):
+        stager = getattr(request.app.state.service, "stager", None)
+        if stager is None:
+            raise EncodeError(404, f"{request.url.path} is SGLang's mooncake backend's: start the server with "
+                                   f"--encoder-transfer-backend mooncake")
+        return stager
+
+    async def small_json(request: Request, what: str, handler) -> Response:
+        """A receiver's small JSON body through `handler`, errors as the contract's error body."""
+        payload: Any = None
+        try:
+            payload = parse_json(await read_body(request, REGISTRATION_BYTES, f"{what} is a small JSON object"))
+            return JSONResponse(await handler(payload))
+        except EncodeError as error:
+            if error.req_id is None:
+                error.req_id = request_id_of(payload)
+            return error_response(error)
+
+    @app.post("/scheduler_receive_meta_data")
+    async def scheduler_receive_meta_data(request: Request) -> Response:
+        """SGLang's mooncake backend: a receiver rank pulls a part's sizes (waiting until they are known)."""
+        return await small_json(request, "a pull (req_id, part_idx)",
+                                lambda payload: mooncake_stager(request).sizes(payload))
+
+    @app.post("/send")
+    async def send(request: Request) -> Response:
+        """SGLang's mooncake backend: write a part's rows into a receiver rank's buffer, then tell its socket."""
+        return await small_json(request, "a send", lambda payload: mooncake_stager(request).send(payload))
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         service: EncoderService | None = getattr(request.app.state, "service", None)
@@ -234,7 +293,9 @@ def create_app(settings: Settings, adapter=None, group=None):
 
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
-        return JSONResponse(request.app.state.service.server_info())
+        info = request.app.state.service.server_info()
+        info["transport"] = transport_info(request.app.state, settings)
+        return JSONResponse(info)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,4 +1,6 @@
-"""`POST /v1/chat/completions`: the OpenAI-style front of the vLLM producer (`--ec-storage`).
+"""`POST /v1/chat/completions`: the OpenAI-style front of the vLLM producer (`--ec-storage`, or
+`--ec-transfer-config` with `ECMooncakeConnector`, whose rows are pushed to the consumer the request names and
+whose answer carries vLLM's `ec_transfer_params`).
 
 vLLM's EPD proxy sends its encoder instance the user's chat body (`max_tokens` 1, not streamed, the
 `x-request-id` header) and goes on to prefill only after a 200. This route answers that 200 with an
@@ -18,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from encode_server.admission.chat import media_parts
+from encode_server.fronts.vllm_mooncake import MooncakePusher
 from encode_server.http.bodies import parse_json, read_body
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
@@ -58,14 +61,22 @@ def add_openai_routes(app: FastAPI, settings: Settings) -> None:
         producer: VllmProducer | None = getattr(request.app.state, "vllm_producer", None)
         if producer is None:
             return openai_error(EncodeError(404, "/v1/chat/completions is the vLLM producer's endpoint: start the "
-                                                 "server with --ec-storage PATH (the consumers' shared_storage_path)"))
+                                                 "server with --ec-storage PATH (the consumers' shared_storage_path) "
+                                                 "or --ec-transfer-config (vLLM's, e.g. ECMooncakeConnector)"))
+        pusher: MooncakePusher | None = getattr(request.app.state, "vllm_pusher", None)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             payload = parse_json(await read_body(request, settings.max_request_bytes))
             parts = media_parts(payload)
             model = payload.get("model") if isinstance(payload.get("model"), str) else settings.model
             # The proxy sends one request per item, all under the same x-request-id: admission needs its own id.
-            stored = await producer.store(parts, f"{request_id[:400]}#{uuid.uuid4().hex[:12]}")
+            job_id = f"{request_id[:400]}#{uuid.uuid4().hex[:12]}"
+            if pusher is None:
+                stored = await producer.store(parts, job_id)
+                return JSONResponse(chat_completion(request_id, model, stored))
+            items = await producer.rows(parts, job_id)
+            params = await pusher.push(items, payload.get("ec_transfer_params"), request_id)
         except EncodeError as error:
             return openai_error(error)
-        return JSONResponse(chat_completion(request_id, model, stored))
+        pushed = [StoredItem(item.identifier, int(item.rows.shape[0]), False) for item in items]
+        return JSONResponse({**chat_completion(request_id, model, pushed), "ec_transfer_params": params})

@@ -254,6 +254,9 @@ class ServerMetrics:
     def watch_store(self, connection) -> None:
         """Export the shared tier's (`cache.store_client.StoreConnection`) counters, read at every scrape."""
         self.registry.register(StoreCollector(connection))
+    def watch_transport(self, transport) -> None:
+        """Export a transport front's counters (`transport.stats`) and what it holds now, read at every scrape."""
+        self.registry.register(TransportCollector(transport))
 
     def watch_ec_storage(self, storage) -> None:
         """Export a `delivery.ec_storage.ECStorage`'s files, bytes and counters, read at every scrape."""
@@ -280,6 +283,38 @@ class CacheCollector(Collector):
         yield GaugeMetricFamily("encoder_cache_bytes", "Bytes the embedding cache holds (rows plus per-entry overhead)",
                                 value=self.cache.bytes_held)
         yield GaugeMetricFamily("encoder_cache_entries", "Items the embedding cache holds", value=len(self.cache))
+
+
+class TransportCollector(Collector):
+    """One transport (a `fronts` pusher: its `stats`, `engine.memory` and `open_reservations`) as Prometheus
+    series labelled with the connector it speaks, read at scrape time."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+
+    def collect(self):
+        stats = self.transport.stats.as_json()
+        label = [stats["name"]]
+
+        def family(kind, name, doc, value):
+            metric = kind(name, doc, labels=["transport"])
+            metric.add_metric(label, value)
+            return metric
+
+        yield family(CounterMetricFamily, "encoder_transport_bytes_total", "Bytes of rows written to consumers",
+                     stats["bytes"])
+        yield family(CounterMetricFamily, "encoder_transport_transfers_total", "Items written to consumers "
+                     "(one per destination rank)", stats["transfers"])
+        yield family(CounterMetricFamily, "encoder_transport_failures_total", "Items whose transfer failed (the "
+                     "consumer refused, vanished or did not answer)", stats["failures"])
+        yield family(CounterMetricFamily, "encoder_transport_seconds_total", "Seconds spent writing rows",
+                     stats["seconds"])
+        yield family(CounterMetricFamily, "encoder_transport_refused_total", "Items answered 503 because the "
+                     "registered-memory bound was reached", stats["refused"])
+        yield family(GaugeMetricFamily, "encoder_transport_registered_bytes", "Bytes registered with the transfer "
+                     "library now", self.transport.engine.memory.bytes_held)
+        yield family(GaugeMetricFamily, "encoder_transport_open_reservations", "Reservations taken on consumers "
+                     "and not completed or cancelled yet", self.transport.open_reservations)
 
 
 class ECStorageCollector(Collector):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import encode_server
+from encode_server.ops.libraries import installed, missing_message
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import (
     advertised_url,
@@ -26,6 +27,7 @@ from encode_server.ops.setting_values import (
     parse_store_url,
     registry_urls,
 )
+from encode_server.ops.transfer_config import ECTransferConfig, parse_ec_transfer_config
 from processors.dtypes import DTYPES
 
 
@@ -237,6 +239,30 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cache-store-encoder-hash", str, "auto",
            "the encoder part of vLLM's Store keys, vLLM's MultiModalConfig.compute_hash(); auto: vLLM 0.33's "
            "value with its default encoder settings"),
+    Option("--encoder-transfer-backend", str, "zmq_to_scheduler",
+           "SGLang's --encoder-transfer-backend, as its language side runs: zmq_to_scheduler or zmq_to_tokenizer (rows "
+           "pushed over ZMQ, as --wire-format says), or mooncake (rows staged here; each receiver rank pulls their "
+           "sizes from /scheduler_receive_meta_data and has them written into its buffer with Mooncake's "
+           "TransferEngine through /send, then gets SGLang's EmbeddingData frame)",
+           choices=("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")),
+    Option("--mooncake-protocol", str, "rdma",
+           "with --encoder-transfer-backend mooncake: the TransferEngine's transport, rdma (SGLang's default) or tcp "
+           "(no RDMA NIC needed)", aliases=("MOONCAKE_PROTOCOL",), choices=("rdma", "tcp", "efa")),
+    Option("--disaggregation-ib-device", str, None,
+           "with --encoder-transfer-backend mooncake: the RDMA device(s) the TransferEngine uses, as SGLang's flag "
+           "(default: its own discovery)"),
+    Option("--mooncake-host", str, None,
+           "with --encoder-transfer-backend mooncake: the address this encoder's TransferEngine is known by "
+           "(default: the host of --advertise-url, else --host when it is not a wildcard)"),
+    Option("--mooncake-registered-bytes", parse_byte_size, 4 << 30,
+           "with --encoder-transfer-backend mooncake: most bytes of rows registered with the TransferEngine at once "
+           "(e.g. 4GiB); a /send beyond it gets 503 with Retry-After"),
+    Option("--ec-transfer-config", str, None,
+           "vLLM producer: vLLM's --ec-transfer-config JSON, as the consumers are started with: ec_connector "
+           "ECMooncakeConnector (rows pushed with Mooncake's TransferEngine into the consumer's reserved buffer; "
+           "ec_buffer_size bounds the registered memory, ec_connector_extra_config.mooncake_protocol rdma or tcp) or "
+           "ECExampleConnector (its shared_storage_path: the files of --ec-storage); ec_role ec_producer "
+           "(docs/DEPLOYMENT.md, Using it with vLLM)"),
 )
 
 
@@ -310,6 +336,12 @@ class Settings:
     cache_store_model: str | None = DEFAULTS["cache_store_model"]
     cache_store_revision: str = DEFAULTS["cache_store_revision"]
     cache_store_encoder_hash: str = DEFAULTS["cache_store_encoder_hash"]
+    ec_transfer_config: str | None = DEFAULTS["ec_transfer_config"]
+    encoder_transfer_backend: str = DEFAULTS["encoder_transfer_backend"]
+    mooncake_protocol: str = DEFAULTS["mooncake_protocol"]
+    disaggregation_ib_device: str | None = DEFAULTS["disaggregation_ib_device"]
+    mooncake_host: str | None = DEFAULTS["mooncake_host"]
+    mooncake_registered_bytes: int = DEFAULTS["mooncake_registered_bytes"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -366,6 +398,25 @@ class Settings:
                              "--cache-store-publish-bytes must not be negative")
         if self.cache_store_protocol not in ("tcp", "rdma"):
             raise ValueError(f"--cache-store-protocol must be tcp or rdma, got {self.cache_store_protocol!r}")
+        if self.ec_transfer_config is not None:
+            transfer = parse_ec_transfer_config(self.ec_transfer_config)
+            if transfer.storage_path is not None:
+                if self.ec_storage is not None and self.ec_storage != transfer.storage_path:
+                    raise ValueError(f"--ec-storage {self.ec_storage!r} and the --ec-transfer-config's "
+                                     f"shared_storage_path {transfer.storage_path!r} differ: give one")
+                object.__setattr__(self, "ec_storage", transfer.storage_path)
+            elif self.ec_storage is not None:
+                raise ValueError(f"--ec-storage writes files for ECExampleConnector, --ec-transfer-config asks for "
+                                 f"{transfer.connector}: one vLLM connector per server")
+        if self.encoder_transfer_backend not in ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake"):
+            raise ValueError(f"--encoder-transfer-backend must be zmq_to_scheduler, zmq_to_tokenizer or mooncake, "
+                             f"got {self.encoder_transfer_backend!r}")
+        if self.encoder_transfer_backend == "mooncake":
+            if not installed("mooncake"):
+                raise ValueError(missing_message("mooncake", "--encoder-transfer-backend mooncake"))
+            if self.mooncake_registered_bytes <= 0:
+                raise ValueError("--mooncake-registered-bytes must be positive")
+            self.transfer_host  # noqa: B018 - refuses a wildcard --host without --mooncake-host
         if self.register_with:
             registry_urls(self.register_with)
             advertised_url(self.host, self.port, self.advertise_url)
@@ -374,6 +425,33 @@ class Settings:
     def ec_identifier_model(self) -> str:
         """The model string in vLLM identifiers: `--ec-model-id`, else `--model`."""
         return self.ec_model_id or self.model
+
+    @property
+    def transfer_host(self) -> str:
+        """The address the SGLang mooncake backend's TransferEngine is known by."""
+        if self.mooncake_host:
+            return self.mooncake_host
+        if self.advertise_url:
+            from urllib.parse import urlsplit
+
+            host = urlsplit(self.advertise_url).hostname
+            if host:
+                return host
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"--encoder-transfer-backend mooncake: --host {self.host!r} is a wildcard; give the "
+                             f"address receivers know this encoder by with --mooncake-host (or --advertise-url)")
+        return self.host
+
+    @property
+    def ec_transfer(self) -> ECTransferConfig | None:
+        """`--ec-transfer-config`, read (None: not given)."""
+        return None if self.ec_transfer_config is None else parse_ec_transfer_config(self.ec_transfer_config)
+
+    @property
+    def vllm_push(self) -> ECTransferConfig | None:
+        """The transfer config when it asks for a connector that pushes rows (not ECExampleConnector's files)."""
+        transfer = self.ec_transfer
+        return transfer if transfer is not None and transfer.storage_path is None else None
 
     @property
     def adaptive_wait(self) -> bool:

@@ -1,0 +1,6 @@
+"""The peers' own producer protocols, spoken on top of the transports: vLLM's `ECMooncakeConnector`
+producer role (`vllm_mooncake.py`, over the consumer's control socket in `mooncake_control.py`).
+
+Imports the vLLM producer (`vllm_producer`: items identified, decoded and encoded as vLLM does),
+`transport` (the bytes), `ops` and `records`; `http` imports it.
+"""

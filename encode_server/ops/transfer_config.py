@@ -1,0 +1,123 @@
+"""vLLM's `--ec-transfer-config` JSON, as the encoder of this server reads it.
+
+The same object a vLLM encoder instance is started with (vLLM 0.33, `config/ec_transfer.py` and each
+connector's config): `ec_connector` and `ec_role`, the top-level `ec_buffer_device`, `ec_buffer_size`,
+`ec_ip`, `ec_port`, and the connector's own keys in `ec_connector_extra_config`. What this server can
+honour is taken; anything else is refused in one line at start-up that says why and what to write
+instead:
+
+- `ECMooncakeConnector`, `ec_role` `ec_producer`: each item's rows pushed with Mooncake's TransferEngine
+  into the buffer the consumer reserved (`fronts/vllm_mooncake.py`). `ec_buffer_size` bounds the memory
+  registered with the engine at once; `mooncake_protocol` is `rdma` unless set (say `tcp` where there is
+  no RDMA NIC); `control_timeout_s` bounds each control request to a consumer. Rows are registered from
+  host memory, so `ec_buffer_device` must be `cpu` (the default here, where vLLM's is `cuda`).
+- `ECExampleConnector`: the files of `--ec-storage`, in `ec_connector_extra_config.shared_storage_path`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from encode_server.ops.libraries import installed, missing_message
+
+MOONCAKE = "ECMooncakeConnector"
+EXAMPLE = "ECExampleConnector"
+SUPPORTED = (MOONCAKE, EXAMPLE)
+_NOT_YET = {
+    "ECCPUConnector": "its P2P (NIXL) producer role is not served by this server yet",
+}
+_PROTOCOLS = ("rdma", "tcp")
+
+
+@dataclass(frozen=True)
+class ECTransferConfig:
+    """The parts of vLLM's transfer config this server acts on."""
+
+    connector: str
+    role: str
+    buffer_device: str = "cpu"
+    buffer_size: int = 1_000_000_000
+    ip: str = "127.0.0.1"
+    port: int = 14579
+    protocol: str = "rdma"
+    control_timeout_s: float = 30.0
+    storage_path: str | None = None  # ECExampleConnector's shared_storage_path
+
+    def public_dict(self) -> dict[str, Any]:
+        return {"ec_connector": self.connector, "ec_role": self.role, "ec_buffer_device": self.buffer_device,
+                "ec_buffer_size": self.buffer_size, "ec_ip": self.ip, "ec_port": self.port,
+                "mooncake_protocol": self.protocol, "control_timeout_s": self.control_timeout_s,
+                **({"shared_storage_path": self.storage_path} if self.storage_path else {})}
+
+
+def _positive(name: str, value: Any, kind=int) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"--ec-transfer-config: {name} must be a positive number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--ec-transfer-config: {name} must be a positive number, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0 or (kind is int and not number.is_integer()):
+        raise ValueError(f"--ec-transfer-config: {name} must be a positive {'integer' if kind is int else 'number'}, "
+                         f"got {value!r}")
+    return kind(number)
+
+
+def parse_ec_transfer_config(text: str | dict) -> ECTransferConfig:
+    """Read and check the JSON; `ValueError` (one line) for what this server cannot honour."""
+    if isinstance(text, dict):
+        data = text
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--ec-transfer-config is not JSON ({exc.msg} at column {exc.colno}): pass vLLM's "
+                             f"--ec-transfer-config object, e.g. '{{\"ec_connector\": \"{MOONCAKE}\", "
+                             f"\"ec_role\": \"ec_producer\"}}'") from None
+    if not isinstance(data, dict):
+        raise ValueError("--ec-transfer-config must be a JSON object, as vLLM's is")
+    connector = data.get("ec_connector")
+    if connector in _NOT_YET:
+        raise ValueError(f"--ec-transfer-config: ec_connector {connector!r}: {_NOT_YET[connector]}; use "
+                         f"{' or '.join(SUPPORTED)}")
+    if connector not in SUPPORTED:
+        raise ValueError(f"--ec-transfer-config: ec_connector must be {' or '.join(SUPPORTED)}, got {connector!r}")
+    if data.get("ec_connector_module_path"):
+        raise ValueError("--ec-transfer-config: ec_connector_module_path names a connector class of vLLM's; this "
+                         "server speaks the built-in connectors only: leave it out")
+    role = data.get("ec_role")
+    if role != "ec_producer":
+        raise ValueError(f"--ec-transfer-config: ec_role must be 'ec_producer' (this server is the encoder), "
+                         f"got {role!r}")
+    extra = data.get("ec_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("--ec-transfer-config: ec_connector_extra_config must be a JSON object")
+    if connector == EXAMPLE:
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path.strip():
+            raise ValueError("--ec-transfer-config: ECExampleConnector needs ec_connector_extra_config."
+                             "shared_storage_path, the folder its consumers read")
+        return ECTransferConfig(connector, role, storage_path=path)
+    device = str(data.get("ec_buffer_device") or "cpu").lower()
+    if device != "cpu":
+        raise ValueError(f"--ec-transfer-config: ec_buffer_device {device!r}: this server registers rows from host "
+                         f"memory; set ec_buffer_device 'cpu' (the consumer's own buffer may be on cuda)")
+    protocol = str(extra.get("mooncake_protocol", "rdma")).lower()
+    if protocol not in _PROTOCOLS:
+        raise ValueError(f"--ec-transfer-config: mooncake_protocol must be rdma or tcp, got {protocol!r}")
+    if extra.get("cross_encoder_cache"):
+        raise ValueError("--ec-transfer-config: cross_encoder_cache (vLLM's Mooncake Store reuse between encoders) "
+                         "is not served by this server's producer: leave it out")
+    port = data.get("ec_port", 14579)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"--ec-transfer-config: ec_port must be in 1..65535, got {port!r}")
+    if not installed("mooncake"):
+        raise ValueError(missing_message("mooncake", f"--ec-transfer-config {MOONCAKE}"))
+    return ECTransferConfig(
+        connector, role, buffer_device=device,
+        buffer_size=_positive("ec_buffer_size", data.get("ec_buffer_size", 1e9)),
+        ip=str(data.get("ec_ip") or "127.0.0.1"), port=port, protocol=protocol,
+        control_timeout_s=_positive("control_timeout_s", extra.get("control_timeout_s", 30), float))
