@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -24,11 +25,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     prefer_huge_pages()  # before the first large tensor, and inherited by the ranks and workers started later
     limit_arenas(settings.malloc_arena_max)  # before the worker threads make their arenas
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from encode_server.ops.logs import UVICORN_LOG_CONFIG, configure_logging, route_library_logs
+
+    configure_logging(settings.log_level, settings.log_format)
+    os.environ["ENCODER_LOG_FORMAT"] = settings.log_format  # the ranks and workers it starts log alike
     import uvicorn  # imported late so that --help answers fast
 
     from encode_server.http.app import create_app
@@ -36,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from processors.base import resolve_device
     from processors.registry import ModelNotFound
 
+    route_library_logs()  # transformers and the Hub client are imported now: their lines get our format too
     group = None
     world = max(settings.tp_size, settings.dp_size)
     try:
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"encode-server: {exc}")
     app = create_app(settings, adapter, group)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            log_config=UVICORN_LOG_CONFIG,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_timeout_s)
     housekeeper = Housekeeper(settings.housekeeping_interval_s, busy=lambda: _pending(app) > 0,
@@ -130,8 +132,10 @@ class DrainingServer:
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets=sockets)
                 if self.started:  # listening: tell supervisors (and the test launcher) at any log level
-                    print(f"{READY_LINE} http://{config.host}:{config.port} (started in "
-                          f"{time.monotonic() - encode_server.IMPORTED_AT:.1f} s)", file=sys.stderr, flush=True)
+                    from encode_server.ops.logs import announce
+
+                    announce("encode_server.startup", f"{READY_LINE} http://{config.host}:{config.port} (started in "
+                                                      f"{time.monotonic() - encode_server.IMPORTED_AT:.1f} s)")
 
             def handle_exit(self, sig, frame) -> None:
                 service = getattr(app.state, "service", None)

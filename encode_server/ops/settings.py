@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import encode_server
+from encode_server.ops.logs import LOG_FORMATS
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import advertised_url, check_class_path, registry_urls
 from processors.dtypes import DTYPES
@@ -146,6 +147,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--log-format", str, "text",
+           "text (one line per record, the level coloured only on a terminal and never with NO_COLOR set) or json "
+           "(one JSON object per line: time, level, logger, message and the record's extra fields)",
+           choices=LOG_FORMATS),
     Option("--wire-format", str, "native",
            "ZMQ frames for prefill receivers: native (a JSON header and the raw bytes, docs/CONTRACT.md section 3) "
            "or sglang (SGLang's pickled EmbeddingData and the raw bytes, for an unchanged SGLang prefill server)",
@@ -235,6 +240,7 @@ class Settings:
     cpu_threads: int = DEFAULTS["cpu_threads"]
     media_workers: int = DEFAULTS["media_workers"]
     log_level: str = DEFAULTS["log_level"]
+    log_format: str = DEFAULTS["log_format"]
     wire_format: str = DEFAULTS["wire_format"]
     sglang_embedding_class: str = DEFAULTS["sglang_embedding_class"]
     register_with: str | None = DEFAULTS["register_with"]

@@ -21,12 +21,12 @@ import ctypes
 import json
 import logging
 import signal
-import sys
 
 import torch
 import zmq
 
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
+from encode_server.ops.logs import configure_logging
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_result, unpack_batch
 from processors import load_adapter
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()
     settings = Settings(**json.loads(args.settings_json))
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format, process=f"rank{args.rank}")
     if args.device == "cpu":
         torch.set_num_threads(settings.cpu_threads_per_rank(args.world_size))
     adapter = load_adapter(settings.model, args.device, settings.dtype)
