@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +22,16 @@ READY_LINE = "encode-server ready:"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until a signal; Ctrl-C (or SIGTERM) before the server listens exits quietly, 128 + the signal."""
+    try:
+        serve(argv)
+    except KeyboardInterrupt:
+        logging.getLogger("encode_server.startup").warning(
+            "interrupted (SIGINT) before the server was ready: exiting without serving")
+        sys.exit(128 + signal.SIGINT)
+
+
+def serve(argv: Sequence[str] | None = None) -> None:
     settings = load_settings(argv)
     from encode_server.ops.housekeeping import Housekeeper, limit_arenas, prefer_huge_pages
 
@@ -92,10 +104,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     housekeeper = Housekeeper(settings.housekeeping_interval_s, busy=lambda: _pending(app) > 0,
                               on_run=lambda *figures: _record_housekeeping(app, *figures))
     housekeeper.start()
+    server = DrainingServer(config, app, settings.drain_timeout_s)
     try:
-        DrainingServer(config, app, settings.drain_timeout_s).run()
+        server.run()
     finally:
         housekeeper.stop()
+    if server.forced is not None:
+        sys.exit(128 + server.forced)
 
 
 def _pending(app) -> int:
@@ -121,17 +136,25 @@ def set_cpu_threads(settings, ranks: int) -> None:
 class DrainingServer:
     """uvicorn, with a drain first: on SIGTERM or SIGINT the service stops admitting (503, and /health
     503 so load balancers move away), requests in flight finish within the drain timeout, then uvicorn
-    shuts down and the process exits 0. A second signal exits at once."""
+    shuts down and the process exits 0.
+
+    A second signal (or a first before the service is up) exits at once: what is queued answers 503, the
+    batch running gets up to `FORCED_GRACE_S` to finish, the service stops (ranks and workers with it),
+    and `run()` returns with `forced` set to the signal (`main` exits 128 + it: 130 for Ctrl-C). uvicorn's
+    own handler is never called: it re-raises the signal after serving, a KeyboardInterrupt traceback."""
+
+    FORCED_GRACE_S = 1.0
 
     def __new__(cls, config, app, drain_timeout_s: float):
         import uvicorn
 
         class _Server(uvicorn.Server):
             draining = False
+            forced: int | None = None
 
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets=sockets)
-                if self.started:  # listening: tell supervisors (and the test launcher) at any log level
+                if self.started and self.forced is None:  # listening: tell supervisors at any log level
                     from encode_server.ops.logs import announce
 
                     announce("encode_server.startup", f"{READY_LINE} http://{config.host}:{config.port} (started in "
@@ -139,8 +162,18 @@ class DrainingServer:
 
             def handle_exit(self, sig, frame) -> None:
                 service = getattr(app.state, "service", None)
-                if self.draining or service is None or self.should_exit:
-                    super().handle_exit(sig, frame)
+                if self.forced is not None:
+                    return
+                if self.draining or self.should_exit or service is None:
+                    self.forced = sig
+                    logging.getLogger("encode_server").warning(
+                        "signal %s again: exiting now (%d requests in flight answer 503)", sig,
+                        service.pending if service is not None else 0)
+                    if service is None:
+                        self.should_exit = self.force_exit = True
+                        return
+                    loop = asyncio.get_event_loop()
+                    loop.call_soon_threadsafe(lambda: loop.create_task(self._exit_now(service)))
                     return
                 self.draining = True
                 logging.getLogger("encode_server").info(
@@ -151,12 +184,29 @@ class DrainingServer:
             async def _drain(self, service) -> None:
                 service.begin_drain()
                 drained = await service.wait_drained(drain_timeout_s)
-                if not drained:
+                if not drained and self.forced is None:
                     logging.getLogger("encode_server").warning(
                         "drain timeout: %d requests still in flight are failed", service.pending)
                     service.fail_queued("the server shut down before this request's turn")
                     await service.wait_drained(5.0)  # let their handlers answer 503
                 self.should_exit = True
+
+            async def _exit_now(self, service) -> None:
+                service.give_up("the server is shutting down (a second signal)")
+                await service.wait_drained(cls.FORCED_GRACE_S)
+                self.should_exit = self.force_exit = True
+
+            async def shutdown(self, sockets=None) -> None:
+                await super().shutdown(sockets=sockets)  # forced: no wait for connections, no lifespan
+                if self.forced is None:
+                    return
+                # The service's own stop (scheduler, ranks, workers, shared memory), bounded; then the
+                # handlers still running write their 503s before the loop ends.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.lifespan.shutdown(), 3.0)
+                deadline = time.monotonic() + cls.FORCED_GRACE_S
+                while self.server_state.tasks and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
 
         return _Server(config)
 

@@ -50,6 +50,30 @@ def run_python_module(module: str, *args: str, env: dict[str, str] | None = None
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+class LineReader:
+    """Every line of a process's text stream, collected on a thread; `seen` is set once a line holds `marker`
+    (or the stream ends)."""
+
+    def __init__(self, stream, marker: str) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self.marker = marker
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+            if self.marker in line:
+                self.seen.set()
+        self.seen.set()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()

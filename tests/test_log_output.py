@@ -8,12 +8,11 @@ import json
 import re
 import signal
 import subprocess
-import threading
 import time
 
 import httpx
 
-from .helpers import ServerProcess, free_port, image_b64, python_module
+from .helpers import LineReader, ServerProcess, free_port, image_b64, python_module
 
 TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 
@@ -21,22 +20,12 @@ TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNI
 def test_json_logs_are_one_object_per_line_from_start_to_exit():
     process = python_module("encode_server", "--port", str(free_port()), "--log-format", "json",
                             "--log-level", "debug", env={"ENCODER_CACHE_BYTES": "0"})
-    port = None
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in process.stderr:
-            lines.append(line)
-            if "encode-server ready:" in line:
-                ready.set()
-        ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    reader = LineReader(process.stderr, "encode-server ready:")
+    lines = reader.lines
     try:
-        assert ready.wait(120), "".join(lines)
-        port = int(re.search(r"127\.0\.0\.1:(\d+)", lines[-1]).group(1))
+        assert reader.seen.wait(120), reader.text()
+        ready = next(line for line in lines if "encode-server ready:" in line)
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", ready).group(1))
         url = f"http://127.0.0.1:{port}"
         ok = httpx.post(url + "/encode", json={"req_id": "j1", "modality": "image", "mm_items": [image_b64(32, 32)]},
                         timeout=60)
@@ -52,7 +41,7 @@ def test_json_logs_are_one_object_per_line_from_start_to_exit():
         except subprocess.TimeoutExpired:
             process.kill()
             raise
-        reader.join(10)
+        reader.thread.join(10)
     assert process.returncode == 0, "".join(lines)
     assert process.stdout.read() == ""
     records = []

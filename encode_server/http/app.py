@@ -98,7 +98,14 @@ async def answer_encode(service: EncoderService, limit: int, declared_length: st
         if error.req_id is None:
             error.req_id = request_id_of(payload)
         return error.status, error.body(), error.headers
+    except asyncio.CancelledError:
+        if not service.admission.draining:
+            raise
+        # The server exits (a second signal) while this request is in flight: answer 503, not uvicorn's 500.
+        return 503, error_body("the server is shutting down", request_id_of(payload)), {"Retry-After": "1"}
     except Exception as exc:  # a bug: still answer with the contract's error body
+        if service.admission.broken:  # the server is going away under this request
+            return 503, error_body(service.admission.broken, request_id_of(payload)), {"Retry-After": "5"}
         log.exception("unexpected error in /encode")
         return 500, error_body(f"internal error: {exc}", request_id_of(payload)), {}
 

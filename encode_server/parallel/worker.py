@@ -21,6 +21,7 @@ import ctypes
 import json
 import logging
 import signal
+import sys
 
 import torch
 import zmq
@@ -85,7 +86,27 @@ def run_data_parallel(adapter, limits: MediaLimits, batches: zmq.Socket, results
             results.send_multipart(pack_result(batch_id, None, [], error=f"{type(exc).__name__}: {exc}"))
 
 
+#: A rank's exit status when its start-up failed; rank 0 says why (it runs the same checks) or names the rank.
+START_FAILED = 3
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run a rank; a start-up failure is one line (none for a sharding error, which rank 0 meets and reports
+    too), never a traceback, and exits `START_FAILED`."""
+    from processors.sharding import ShardingError
+
+    try:
+        serve_rank(argv)
+    except ShardingError:  # the same model and --tp-size on every rank: rank 0 reports it, once
+        sys.exit(START_FAILED)
+    except (ValueError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(START_FAILED)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group: rank 0 says it
+        sys.exit(128 + signal.SIGINT)
+
+
+def serve_rank(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="encode-server worker rank (started by rank 0)")
     parser.add_argument("--role", choices=("tp", "dp"), required=True)
     parser.add_argument("--rank", type=int, required=True)
