@@ -229,6 +229,8 @@ def test_unknown_repo_revision_no_safetensors_and_gated_repo_fail_with_the_fix(h
     assert "org/tiny has no revision 'no-such-branch'" in stderr.strip().splitlines()[-1], stderr
     stderr = start_fails("org/bin-only", env)
     assert "org/bin-only has no safetensors weights" in stderr.strip().splitlines()[-1], stderr
+    for fix in ("--model org/bin-only@<revision>", "refs/pr/N", "save_pretrained", "pass that folder as --model"):
+        assert fix in stderr.strip().splitlines()[-1], stderr  # what to do, in the same line
     stderr = start_fails("org/gated", env)
     assert "org/gated is a gated repository" in stderr and "set HF_TOKEN" in stderr.strip().splitlines()[-1], stderr
 

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,6 +33,9 @@ from encode_server.records import EncodeError, error_body
 from encode_server.service import EncoderService
 from processors import load_adapter
 from processors.dtypes import DTYPE_NAMES
+
+#: Where the Swagger UI and ReDoc assets of /docs and /redoc are served from (this server, not a CDN).
+DOCS_ASSETS = "/docs-assets"
 
 log = logging.getLogger("encode_server.http")
 
@@ -192,7 +196,10 @@ def create_app(settings: Settings, adapter=None, group=None):
                 app.state.vllm_producer.close()
             await service.stop()
 
-    app = FastAPI(title="encode-server", version=encode_server.__version__, lifespan=lifespan)
+    # /docs and /redoc from assets installed with the package (fastapi-offline), never from a CDN: offline
+    # (an air-gapped node, a cluster without egress) FastAPI's default pages load nothing and stay blank.
+    app = FastAPIOffline(title="encode-server", version=encode_server.__version__, lifespan=lifespan,
+                         static_url=DOCS_ASSETS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
