@@ -28,7 +28,11 @@ from typing import Any, TextIO
 LOG_FORMATS = ("text", "json")
 
 #: Loggers that print request URLs (signed CDN links among them) at INFO or DEBUG: WARNING at every level.
-QUIET_LOGGERS = ("huggingface_hub", "httpx", "httpcore", "urllib3", "filelock", "hpack", "aiohttp.access")
+#: huggingface_hub 2 sends its requests through `httpx2` (with `httpcore2`), a fork that logs under its own names.
+QUIET_LOGGERS = ("huggingface_hub", "httpx", "httpx2", "httpcore", "httpcore2", "urllib3", "filelock", "hpack",
+                 "hf_xet", "aiohttp.access")
+#: And whatever logger a later HTTP client version names like them: below WARNING, dropped at the handler.
+_QUIET_PREFIXES = ("httpx", "httpcore", "urllib3", "huggingface_hub", "hf_xet")
 
 #: Libraries that put a stderr handler of their own on their root logger.
 _LIBRARY_LOGGERS = ("transformers", "huggingface_hub")
@@ -129,6 +133,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=lambda value: redact(str(value)), ensure_ascii=False)
 
 
+class _QuietClients(logging.Filter):
+    """Drops the HTTP clients' records below WARNING, whatever their loggers' levels say."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(_QUIET_PREFIXES)
+
+
 class _ProcessField(logging.Filter):
     """Adds `process_name` (`rank1`, `preprocess-worker0`) to every record, for the JSON lines."""
 
@@ -161,6 +172,7 @@ def configure_logging(level: str, fmt: str | None = None, stream: TextIO | None 
     stream = sys.stderr if stream is None else stream
     handler = logging.StreamHandler(stream)
     handler.setFormatter(make_formatter(fmt, stream, process))
+    handler.addFilter(_QuietClients())
     if process:
         handler.addFilter(_ProcessField(process))
     root = logging.getLogger()
