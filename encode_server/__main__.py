@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -21,14 +22,30 @@ log = logging.getLogger("encode_server.startup")
 READY_LINE = "encode-server ready:"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM before the server is ready, raised where the main thread is, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Serve until a signal; Ctrl-C (or SIGTERM) before the server listens exits quietly, 128 + the signal."""
+    """Serve until a signal. Ctrl-C or SIGTERM before the server is ready (while it downloads, loads or warms up
+    the model) exits quietly: one line, status 128 + the signal (130, 143), no traceback."""
+    if threading.current_thread() is threading.main_thread():  # uvicorn takes both signals over while it serves
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         logging.getLogger("encode_server.startup").warning(
-            "interrupted (SIGINT) before the server was ready: exiting without serving")
-        sys.exit(128 + signal.SIGINT)
+            "interrupted (%s) before the server was ready: exiting without serving", signal.Signals(signum).name)
+        sys.exit(128 + signum)
 
 
 def serve(argv: Sequence[str] | None = None) -> None:
@@ -166,12 +183,13 @@ class DrainingServer:
                     return
                 if self.draining or self.should_exit or service is None:
                     self.forced = sig
-                    logging.getLogger("encode_server").warning(
-                        "signal %s again: exiting now (%d requests in flight answer 503)", sig,
-                        service.pending if service is not None else 0)
                     if service is None:
+                        logging.getLogger("encode_server").warning(
+                            "signal %s before the server was ready: exiting without serving", sig)
                         self.should_exit = self.force_exit = True
                         return
+                    logging.getLogger("encode_server").warning(
+                        "signal %s again: exiting now (%d requests in flight answer 503)", sig, service.pending)
                     loop = asyncio.get_event_loop()
                     loop.call_soon_threadsafe(lambda: loop.create_task(self._exit_now(service)))
                     return

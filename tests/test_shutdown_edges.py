@@ -10,6 +10,7 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from .helpers import LineReader, ServerProcess, image_b64, python_module
 
@@ -57,7 +58,8 @@ def test_a_second_sigint_while_draining_exits_at_once_with_503s_and_no_traceback
     assert any("shutting down" in message for message in messages), messages
 
 
-def test_ctrl_c_while_the_model_is_fetched_exits_quietly_in_one_line(tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_while_the_model_is_fetched_exits_quietly_in_one_line(tmp_path, signum, code):
     stalled = socket.socket()  # a "Hub" that accepts connections and never answers: the fetch hangs
     stalled.bind(("127.0.0.1", 0))
     stalled.listen(16)
@@ -72,8 +74,8 @@ def test_ctrl_c_while_the_model_is_fetched_exits_quietly_in_one_line(tmp_path):
         time.sleep(1.0)  # inside the fetch, which waits on the silent Hub
         assert process.poll() is None, reader.text()
         interrupted = time.monotonic()
-        process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=20)
+        process.send_signal(signum)
+        status = process.wait(timeout=20)
         exit_s = time.monotonic() - interrupted
     finally:
         if process.poll() is None:
@@ -82,11 +84,12 @@ def test_ctrl_c_while_the_model_is_fetched_exits_quietly_in_one_line(tmp_path):
         stalled.close()
     reader.thread.join(10)
     output = reader.text()
-    assert code == 130, output
+    assert status == code, output
     assert exit_s < 5
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
     after = output.split("resolving model org/stalled", 1)[1].strip().splitlines()
-    assert len(after) == 1 and "interrupted (SIGINT) before the server was ready" in after[0], output
+    name = signal.Signals(signum).name
+    assert len(after) == 1 and f"interrupted ({name}) before the server was ready" in after[0], output
 
 
 def test_ctrl_c_at_any_point_of_the_start_is_quiet():
