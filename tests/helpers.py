@@ -74,6 +74,30 @@ class LineReader:
         return "".join(self.lines)
 
 
+def vllm_audio_hash(algorithm: str, model_id: str, samples: np.ndarray) -> str:
+    """vLLM 0.33's `MultiModalHasher.hash_kwargs(algorithm, model_id=..., audio=<array>)`
+    (`vllm/multimodal/hasher.py`), written out byte by byte for a one-dimensional array: the keys in sorted
+    order, each framed (8-byte little-endian length, then the bytes) and followed by its value, tagged (3: a
+    leaf, 2: a mapping, 1: a sequence, each container with its length); an array is the leaf
+    `{"ndarray": {"dtype", "shape", "data"}}`."""
+    import hashlib
+
+    from blake3 import blake3
+
+    def framed(chunk: bytes) -> bytes:
+        return len(chunk).to_bytes(8, "little") + chunk
+
+    leaf, mapping, sequence = b"\x03", b"\x02", b"\x01"
+    array = (framed(b"ndarray") + mapping + (3).to_bytes(8, "little")
+             + framed(b"dtype") + leaf + framed(samples.dtype.str.encode())
+             + framed(b"shape") + sequence + (1).to_bytes(8, "little") + leaf + framed(np.array(len(samples)).tobytes())
+             + framed(b"data") + leaf + framed(samples.tobytes()))
+    stream = framed(b"audio") + leaf + array + framed(b"model_id") + leaf + framed(model_id.encode())
+    hasher = {"blake3": blake3, "sha256": hashlib.sha256, "sha512": hashlib.sha512}[algorithm]()
+    hasher.update(stream)
+    return hasher.hexdigest()
+
+
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()

@@ -24,6 +24,8 @@ from encode_server.delivery.vllm_hash import EncodedImage, hash_kwargs, image_id
 from encode_server.media.decoding import MediaError, decode_image
 from encode_server.media.vllm_images import data_url_payload, decode_vllm_image
 
+from .helpers import vllm_audio_hash
+
 pytestmark = pytest.mark.quick
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -216,30 +218,8 @@ def resampler():
 # the samples the server writes, but not the bits the golden file was recorded with on another. So a resampled
 # clip is checked against what the resampling must be on any CPU (the band-limited interpolation computed in
 # float64, within float32 rounding), against torchaudio itself run here as vLLM runs it (where torchaudio is
-# installed), and its identifiers against vLLM's framing of these very samples; the framing itself is checked
-# bit for bit against vLLM's own identifiers on the clip vLLM does not resample.
-
-
-def vllm_audio_hash(algorithm: str, model_id: str, samples: np.ndarray) -> str:
-    """vLLM 0.33's `MultiModalHasher.hash_kwargs(algorithm, model_id=..., audio=<array>)`
-    (`vllm/multimodal/hasher.py`), written out byte by byte for a one-dimensional array: the keys in sorted
-    order, each framed (8-byte little-endian length, then the bytes) and followed by its value, tagged (3: a
-    leaf, 2: a mapping, 1: a sequence, each container with its length); an array is the leaf
-    `{"ndarray": {"dtype", "shape", "data"}}`."""
-    from blake3 import blake3
-
-    def framed(chunk: bytes) -> bytes:
-        return len(chunk).to_bytes(8, "little") + chunk
-
-    leaf, mapping, sequence = b"\x03", b"\x02", b"\x01"
-    array = (framed(b"ndarray") + mapping + (3).to_bytes(8, "little")
-             + framed(b"dtype") + leaf + framed(samples.dtype.str.encode())
-             + framed(b"shape") + sequence + (1).to_bytes(8, "little") + leaf + framed(np.array(len(samples)).tobytes())
-             + framed(b"data") + leaf + framed(samples.tobytes()))
-    stream = framed(b"audio") + leaf + array + framed(b"model_id") + leaf + framed(model_id.encode())
-    hasher = {"blake3": blake3, "sha256": hashlib.sha256, "sha512": hashlib.sha512}[algorithm]()
-    hasher.update(stream)
-    return hasher.hexdigest()
+# installed), and its identifiers against vLLM's framing of these very samples (`helpers.vllm_audio_hash`); the
+# framing itself is checked bit for bit against vLLM's own identifiers on the clip vLLM does not resample.
 
 
 def band_limited_resample(samples: np.ndarray, orig: int, new: int, rolloff: float = 0.99, zeros: int = 6):
