@@ -41,6 +41,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve(argv)
+    except SystemExit as exc:
+        from encode_server.ops.logs import logs_json
+
+        if isinstance(exc.code, str) and logs_json():  # a start-up error: a JSON line too, not a bare one
+            logging.getLogger("encode_server.startup").critical(exc.code)
+            sys.exit(1)
+        raise
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         logging.getLogger("encode_server.startup").warning(

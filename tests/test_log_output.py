@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from .helpers import LineReader, ServerProcess, free_port, image_b64, python_module
+from .helpers import LineReader, ServerProcess, free_port, image_b64, python_module, run_python_module
 
 TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 
@@ -81,3 +81,10 @@ def test_an_unreachable_registry_is_a_warning_within_seconds_then_backoff():
     lines = [line for line in log.splitlines() if line.strip() and not line.startswith("encode-server ready:")]
     assert lines and all(TEXT_LINE.match(line) for line in lines), "\n".join(lines)
     assert any(" uvicorn.error: " in line for line in lines)  # uvicorn's lines in our format
+
+
+def test_a_start_up_error_is_a_json_line_too():
+    done = run_python_module("encode_server", "--log-format", "json", "--port", "0", "--model", "/nonexistent-model")
+    assert done.returncode == 1, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # every line, or this raises
+    assert records[-1]["level"] == "CRITICAL" and "/nonexistent-model does not exist" in records[-1]["message"]

@@ -189,22 +189,26 @@ def configure_logging(level: str, fmt: str | None = None, stream: TextIO | None 
 def route_library_logs() -> None:
     """The libraries that print through a handler of their own (transformers, the Hub client) log through
     the root logger's instead; the Hub client shows no progress bars (they interleave with the log)."""
-    if "transformers" in sys.modules:
+    # Imported here (the server imports them anyway, later): their handlers are put on at first use.
+    try:
         from transformers.utils import logging as transformers_logging
-
+    except ImportError:
+        pass
+    else:
         transformers_logging.disable_default_handler()  # configures its logger first, then takes the handler
         transformers_logging.enable_propagation()
-    if "huggingface_hub" in sys.modules:
+    try:
         from huggingface_hub.utils import disable_progress_bars
         from huggingface_hub.utils import logging as hub_logging
-
+    except ImportError:
+        pass
+    else:
         hub_logging.get_logger()
         disable_progress_bars()
     for name in _LIBRARY_LOGGERS:
         library = logging.getLogger(name)
-        for handler in list(library.handlers):
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                library.removeHandler(handler)
+        for handler in list(library.handlers):  # the server process owns its logging: one handler, the root's
+            library.removeHandler(handler)
         library.propagate = True
     logging.getLogger("huggingface_hub").setLevel(logging.WARNING)
 
@@ -220,6 +224,11 @@ UVICORN_LOG_CONFIG: dict[str, Any] = {
         "uvicorn.access": {"handlers": [], "propagate": True},
     },
 }
+
+
+def logs_json() -> bool:
+    """Whether the root logger writes JSON lines (`--log-format json`)."""
+    return any(isinstance(handler.formatter, JsonFormatter) for handler in logging.getLogger().handlers)
 
 
 def announce(logger: str, message: str) -> None:

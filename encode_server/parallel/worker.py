@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
-from encode_server.ops.logs import configure_logging
+from encode_server.ops.logs import configure_logging, route_library_logs
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_result, unpack_batch
 from processors import load_adapter
@@ -122,6 +122,7 @@ def serve_rank(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_level, settings.log_format, process=f"rank{args.rank}")
     if args.device == "cpu":
         torch.set_num_threads(settings.cpu_threads_per_rank(args.world_size))
+    route_library_logs()  # transformers' lines in the rank's format too
     adapter = load_adapter(settings.model, args.device, settings.dtype)
     limits = MediaLimits.from_settings(settings, adapter)
     context = zmq.Context()
