@@ -254,7 +254,10 @@ class EncoderEngine:
         self.metrics.forward.labels(modality).observe(forward_s)
         self.metrics.batch_tokens.labels(modality).observe(rows.shape[0])
         log.info("batch modality=%s size=%d items=%d tokens=%d preprocess_ms=%.1f forward_ms=%.1f %s",
-                 modality, len(jobs), len(expected), rows.shape[0], preprocess_s * 1e3, forward_s * 1e3, where)
+                 modality, len(jobs), len(expected), rows.shape[0], preprocess_s * 1e3, forward_s * 1e3, where,
+                 extra={"modality": modality, "batch_size": len(jobs), "items": len(expected),
+                        "tokens": int(rows.shape[0]), "preprocess_ms": round(preprocess_s * 1e3, 1),
+                        "forward_ms": round(forward_s * 1e3, 1)})
         return [
             EncodedPart(embedding=embedding, layouts=job.layouts, batch_size=len(jobs),
                         timings=Timings(preprocess=(job.decode_s + preprocess_s) * 1e3, encode=forward_s * 1e3))

@@ -418,6 +418,13 @@ class EncoderService:
         """Fail every request still waiting for a batch (503), e.g. when a drain times out."""
         self.scheduler.fail_queued(message)
 
+    def give_up(self, message: str) -> None:
+        """A second signal: stop admitting, fail what is queued with 503, and let what fails from here on
+        (batches cut short as the server stops) answer 503 `message` too, never 500."""
+        self.begin_drain()
+        self.admission.broken = self.admission.broken or message
+        self.fail_queued(message)
+
     def server_info(self) -> dict[str, Any]:
         info = self.adapter.info
         return {

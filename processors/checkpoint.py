@@ -97,7 +97,9 @@ def _shard_files(folder: Path) -> dict[str, Path]:
     if single.is_file():
         with safe_open(str(single), "pt") as handle:
             return {key: single for key in handle.keys()}
-    raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+    raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json (.bin weights are not "
+                          f"read): convert it once (transformers' from_pretrained, then save_pretrained to a new "
+                          f"folder, which writes safetensors) and pass that folder as --model")
 
 
 #: What a checkpoint key may carry in front of the encoder module's own key.

@@ -232,8 +232,12 @@ def _header(open_file, name: str, hub_id: HubId) -> Header:
     except FileNotFoundError:
         if name != SINGLE_WEIGHTS:
             raise CheckpointError(f"{hub_id}: {name}, named in {WEIGHTS_INDEX}, is not in the repository") from None
-        raise CheckpointError(f"{hub_id} has no safetensors weights ({SINGLE_WEIGHTS} or {WEIGHTS_INDEX}): only "
-                              "safetensors checkpoints can be read in part") from None
+        raise CheckpointError(
+            f"{hub_id} has no safetensors weights ({SINGLE_WEIGHTS} or {WEIGHTS_INDEX}; .bin weights are not read, "
+            f"only safetensors can be read in part): use a revision that has them (--model "
+            f"{hub_id.repo_id}@<revision>, such as the refs/pr/N of a pull request converting it to safetensors), "
+            f"or convert it once (transformers' from_pretrained, then save_pretrained to a folder, which writes "
+            f"safetensors) and pass that folder as --model") from None
     except SafetensorsFormatError as exc:
         raise CheckpointError(f"{hub_id}: {exc}") from None
 

@@ -27,7 +27,8 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check)
 # This server's own dependencies (pyproject.toml), so the script can start it from the same venv.
 "${PIP[@]}" "fastapi>=0.110" "uvicorn>=0.51" "httptools>=0.6" "uvloop>=0.19" "pydantic>=2.6" "aiohttp>=3.9" \
     "pyzmq>=26.4" "orjson>=3.9" "pillow>=10" "numpy>=1.26" "prometheus_client>=0.20" "safetensors>=0.4" \
-    "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "huggingface_hub>=1.31,<3" "blake3>=0.4"
+    "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "huggingface_hub>=1.31,<3" "blake3>=0.4" \
+    "fastapi-offline>=1.7,<2"
 # Mooncake's TransferEngine, for the mooncake backend (scripts/sglang_transport_compat.py).
 "${PIP[@]}" mooncake-transfer-engine-non-cuda
 "$VENV/bin/python" -W ignore -c "import sglang, sglang.srt.disaggregation.encoder.receiver; print('SGLang', sglang.__version__, 'ready in $VENV')"

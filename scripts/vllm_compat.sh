@@ -27,7 +27,7 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
     python-json-logger prometheus-fastapi-instrumentator setproctitle ijson oss-harmony xgrammar llguidance
 # This server's own dependencies (pyproject.toml), so the script can start it from the same venv.
 "${PIP[@]}" "uvicorn>=0.29" "httptools>=0.6" "uvloop>=0.19" "orjson>=3.9" "numpy>=1.26" "prometheus_client>=0.20" \
-    "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "av>=12"
+    "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "av>=12" "fastapi-offline>=1.7,<2"
 # vLLM's GLM-4.1V module imports its compressed-tensors quantization layer (pinned 0.17.0).
 "${PIP[@]}" --no-deps compressed-tensors==0.17.0
 "${PIP[@]}" loguru

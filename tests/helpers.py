@@ -50,6 +50,54 @@ def run_python_module(module: str, *args: str, env: dict[str, str] | None = None
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+class LineReader:
+    """Every line of a process's text stream, collected on a thread; `seen` is set once a line holds `marker`
+    (or the stream ends)."""
+
+    def __init__(self, stream, marker: str) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self.marker = marker
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+            if self.marker in line:
+                self.seen.set()
+        self.seen.set()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def vllm_audio_hash(algorithm: str, model_id: str, samples: np.ndarray) -> str:
+    """vLLM 0.33's `MultiModalHasher.hash_kwargs(algorithm, model_id=..., audio=<array>)`
+    (`vllm/multimodal/hasher.py`), written out byte by byte for a one-dimensional array: the keys in sorted
+    order, each framed (8-byte little-endian length, then the bytes) and followed by its value, tagged (3: a
+    leaf, 2: a mapping, 1: a sequence, each container with its length); an array is the leaf
+    `{"ndarray": {"dtype", "shape", "data"}}`."""
+    import hashlib
+
+    from blake3 import blake3
+
+    def framed(chunk: bytes) -> bytes:
+        return len(chunk).to_bytes(8, "little") + chunk
+
+    leaf, mapping, sequence = b"\x03", b"\x02", b"\x01"
+    array = (framed(b"ndarray") + mapping + (3).to_bytes(8, "little")
+             + framed(b"dtype") + leaf + framed(samples.dtype.str.encode())
+             + framed(b"shape") + sequence + (1).to_bytes(8, "little") + leaf + framed(np.array(len(samples)).tobytes())
+             + framed(b"data") + leaf + framed(samples.tobytes()))
+    stream = framed(b"audio") + leaf + array + framed(b"model_id") + leaf + framed(model_id.encode())
+    hasher = {"blake3": blake3, "sha256": hashlib.sha256, "sha512": hashlib.sha512}[algorithm]()
+    hasher.update(stream)
+    return hasher.hexdigest()
+
+
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()

@@ -160,6 +160,9 @@ def test_hub_id_serves_the_local_folders_rows_reading_only_the_encoders_bytes(hu
     weight_reads = [r for r in hub.requests if r[1].endswith(".safetensors") and r[0] == "GET"]
     assert all(r[2] is not None for r in weight_reads), "every read of the weights is a range"
     assert re.search(r"org/tiny@main: model\.safetensors: read [\d.]+ kB of its [\d.]+ MB", log), log
+    # No request of the Hub client in the log at info (on the real Hub each names a signed CDN URL), no progress bar.
+    assert "HTTP Request" not in log and "/resolve/" not in log and hub.url not in log, log
+    assert "it/s]" not in log and "%|" not in log, log
 
     cached = tmp_path / "home" / "encode-server" / "org--tiny" / commit_of("org/tiny")
     assert set(header_of(cached / "model.safetensors")[1]) == encoder_keys
@@ -229,6 +232,8 @@ def test_unknown_repo_revision_no_safetensors_and_gated_repo_fail_with_the_fix(h
     assert "org/tiny has no revision 'no-such-branch'" in stderr.strip().splitlines()[-1], stderr
     stderr = start_fails("org/bin-only", env)
     assert "org/bin-only has no safetensors weights" in stderr.strip().splitlines()[-1], stderr
+    for fix in ("--model org/bin-only@<revision>", "refs/pr/N", "save_pretrained", "pass that folder as --model"):
+        assert fix in stderr.strip().splitlines()[-1], stderr  # what to do, in the same line
     stderr = start_fails("org/gated", env)
     assert "org/gated is a gated repository" in stderr and "set HF_TOKEN" in stderr.strip().splitlines()[-1], stderr
 

@@ -110,9 +110,13 @@ def test_health_probe_goes_through_the_encoder_and_is_cached(server):
         time.sleep(0.4)
     probed = forwards()
     assert probed >= start + 2, "a /health older than the interval must run a probe through the encoder"
+    began = time.monotonic()
     for _ in range(5):  # inside the interval: cached, no new forward
         httpx.get(server.url + "/health")
-    assert forwards() <= probed + 1
+    # At most one probe per interval (0.3 s) the five took: none on an idle machine, where they take a few
+    # milliseconds; a loaded one may stretch them over several intervals, each of which may rightly probe.
+    intervals = int((time.monotonic() - began) / 0.3)
+    assert forwards() <= probed + 1 + intervals
 
 
 def test_structured_logs_per_batch_and_per_request(server):

@@ -131,6 +131,10 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused_at_start():
     result = run_python_module("encode_server", "--tp-size", "3", "--port", "0", timeout=180)
     assert result.returncode != 0
     assert "4 attention heads do not split over 3" in result.stderr
+    # Reported once, in one line: no rank's traceback before it, no "rank N exited" for the ranks it stops.
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len([line for line in result.stderr.splitlines() if "do not split" in line]) == 1, result.stderr
+    assert "exited with code" not in result.stderr, result.stderr
 
 
 def test_tp_and_dp_together_are_refused():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,8 @@ from PIL import Image
 from encode_server.delivery.vllm_hash import EncodedImage, hash_kwargs, image_identifier
 from encode_server.media.decoding import MediaError, decode_image
 from encode_server.media.vllm_images import data_url_payload, decode_vllm_image
+
+from .helpers import vllm_audio_hash
 
 pytestmark = pytest.mark.quick
 
@@ -210,6 +213,65 @@ def resampler():
     pool.close()
 
 
+# The waveform vLLM hashes for a resampled clip is torchaudio's float32 resampling, whose last bits depend on
+# the CPU (its vector units and the order of the convolution's sums): on this CPU vLLM 0.33's own parser gives
+# the samples the server writes, but not the bits the golden file was recorded with on another. So a resampled
+# clip is checked against what the resampling must be on any CPU (the band-limited interpolation computed in
+# float64, within float32 rounding), against torchaudio itself run here as vLLM runs it (where torchaudio is
+# installed), and its identifiers against vLLM's framing of these very samples (`helpers.vllm_audio_hash`); the
+# framing itself is checked bit for bit against vLLM's own identifiers on the clip vLLM does not resample.
+
+
+def band_limited_resample(samples: np.ndarray, orig: int, new: int, rolloff: float = 0.99, zeros: int = 6):
+    """torchaudio's `Resample(orig, new)` (sinc interpolation, Hann window, `zeros` zero crossings, `rolloff`)
+    as its formula, in float64: output j at time j/new (in units of the reduced rates) is the sum over input i
+    of x[i] * base/orig * sinc(t) * cos(pi t / 2 zeros)^2, t = base (i/orig - j/new), |t| < zeros, where
+    base = min(orig, new) * rolloff. Also returns each output's sum of |terms|, which bounds its float32
+    rounding."""
+    g = math.gcd(orig, new)
+    orig, new = orig // g, new // g
+    base = min(orig, new) * rolloff
+    x = np.asarray(samples, dtype=np.float64)
+    outputs = np.arange(math.ceil(new * len(x) / orig))
+    reach = zeros * orig / base
+    first = np.ceil(outputs * orig / new - reach).astype(int)
+    inputs = first[:, None] + np.arange(int(math.ceil(2 * reach)) + 2)[None, :]
+    t = base * (inputs / orig - outputs[:, None] / new)
+    used = (np.abs(t) < zeros) & (inputs >= 0) & (inputs < len(x))
+    sinc = np.sinc(t)  # sin(pi t) / (pi t), 1 at 0
+    kernel = np.where(used, sinc * np.cos(np.clip(t, -zeros, zeros) * np.pi / zeros / 2) ** 2 * base / orig, 0.0)
+    terms = kernel * np.where(used, x[np.clip(inputs, 0, len(x) - 1)], 0.0)
+    return terms.sum(axis=1), np.abs(terms).sum(axis=1), int(used.sum(axis=1).max())
+
+
+def float32_tolerance(magnitudes: np.ndarray, taps: int) -> float:
+    """How far float32 arithmetic may move one output, a dot product of `taps` terms: the classic worst case of
+    its rounding (taps x float32's epsilon / 2, relative to the sum of the terms' magnitudes, plus the
+    coefficients' own rounding), times four, with the largest sum of magnitudes of the clip."""
+    return 2 * taps * float(np.finfo(np.float32).eps) * float(magnitudes.max())
+
+
+def native_samples(name: str) -> tuple[np.ndarray, int]:
+    from encode_server.media.vllm_audio import decode_vllm_audio_native
+
+    return decode_vllm_audio_native((GOLDEN / "vllm-audio" / name).read_bytes(), 60.0, "item")
+
+
+def test_the_framing_of_an_audio_array_is_vllms_bit_for_bit():
+    """On the clip vLLM does not resample (16 kHz), its samples are CPU-independent and vLLM's identifiers hold
+    on any machine: the framing written out above reproduces every one of them."""
+    expected = REFERENCE["audio"]["mono16k.wav"]
+    samples, rate = native_samples("mono16k.wav")
+    assert rate == REFERENCE["audio_rate"]
+    assert hashlib.sha256(samples.tobytes()).hexdigest() == expected["samples_sha256"]
+    checked = 0
+    for algorithm, by_model in expected["identifiers"].items():
+        for model_id, identifier in by_model.items():
+            assert vllm_audio_hash(algorithm, model_id, samples) == identifier
+            checked += 1
+    assert checked >= 3
+
+
 @pytest.mark.parametrize("name", AUDIO)
 def test_audio_waveforms_and_identifiers_are_vllms(name, resampler):
     from encode_server.delivery.vllm_hash import audio_identifier
@@ -220,14 +282,57 @@ def test_audio_waveforms_and_identifiers_are_vllms(name, resampler):
                               resampler)
     samples = audio.samples
     assert samples.shape == (expected["samples"],) and samples.dtype.str == expected["dtype"]
-    assert hashlib.sha256(samples.tobytes()).hexdigest() == expected["samples_sha256"]
+    native, rate = native_samples(name)
+    assert rate == expected["native_rate"]
+    if rate == REFERENCE["audio_rate"]:
+        assert np.array_equal(samples, native)  # not resampled: vLLM's bits on any CPU
+    else:
+        reference, magnitudes, taps = band_limited_resample(native, rate, REFERENCE["audio_rate"])
+        error = np.abs(samples.astype(np.float64) - reference)
+        tolerance = float32_tolerance(magnitudes, taps)
+        assert error.max() <= tolerance, \
+            f"{name}: {error.max():.3g} from the resampling in float64 (at most {tolerance:.3g})"
+    recorded_here = hashlib.sha256(samples.tobytes()).hexdigest() == expected["samples_sha256"]
     for algorithm, by_model in expected["identifiers"].items():
         for model_id, identifier in by_model.items():
-            assert audio_identifier(algorithm, model_id, samples) == identifier
+            ours = audio_identifier(algorithm, model_id, samples)
+            assert ours == vllm_audio_hash(algorithm, model_id, samples)
+            if recorded_here:  # the CPU the golden file was recorded on (and every CPU for the 16 kHz clip)
+                assert ours == identifier
     # What the encoder is sent reads back as exactly these samples, with no resampling.
     from encode_server.media.decoding import decode_audio
 
     assert np.array_equal(decode_audio(audio.wav(), REFERENCE["audio_rate"], 60.0, "item"), samples)
+
+
+def test_the_resampling_tolerance_tells_a_different_resampler_apart():
+    """The float32 tolerance is far below what a different filter gives: a roll-off of 0.95 instead of
+    0.99, or 5 zero crossings instead of 6, is more than 100 times outside it."""
+    for name in ("float22k.wav", "stereo44k.flac"):
+        native, rate = native_samples(name)
+        reference, magnitudes, taps = band_limited_resample(native, rate, REFERENCE["audio_rate"])
+        tolerance = float32_tolerance(magnitudes, taps)
+        for variant in ({"rolloff": 0.95}, {"zeros": 5}):
+            other, _, _ = band_limited_resample(native, rate, REFERENCE["audio_rate"], **variant)
+            assert np.abs(other - reference).max() > 100 * tolerance, (name, variant)
+
+
+@pytest.mark.parametrize("name", ["float22k.wav", "stereo44k.flac"])
+def test_the_resampling_is_torchaudios_bit_for_bit_on_this_cpu(name, resampler):
+    """Where torchaudio is installed (vLLM's own resampler; scripts/vllm_compat.sh installs it), run it here as
+    vLLM runs it, one thread and oneDNN off: the server's samples are its bits on this CPU."""
+    import torch
+
+    torchaudio = pytest.importorskip("torchaudio", reason="torchaudio is not installed (it is not a dependency)")
+    native, rate = native_samples(name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.backends.mkldnn.flags(enabled=False):
+            expected = torchaudio.transforms.Resample(rate, REFERENCE["audio_rate"])(torch.as_tensor(native)).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(resampler.resample(native, rate, REFERENCE["audio_rate"]), expected)
 
 
 def test_audio_limits_and_bad_files(resampler):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import hashlib
 import http.server
 import io
 import threading
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from encode_server.delivery.vllm_hash import EncodedImage, image_identifier
 from encode_server.media.vllm_images import decode_vllm_image
-from tests.helpers import InProcessServer, decode_embedding, png_bytes
+from tests.helpers import InProcessServer, decode_embedding, png_bytes, vllm_audio_hash
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm-images"
 
@@ -302,22 +303,32 @@ def test_audio_parts_store_vllms_identifiers_and_rows(tmp_path):
             "float22k.wav": {"type": "audio_url", "audio_url": {"url": media_url(clips["float22k.wav"],
                                                                                  "audio/wav")}},
         }
-        for name, part in parts.items():
-            response = post(server, proxy_body(part))
-            assert response.status_code == 200, response.text
-            (item,) = response.json()["encoder_cache"]
-            assert item["identifier"] == REFERENCE["audio"][name]["identifiers"]["blake3"][CONSUMER_MODEL]
-            rows = load_file(str(storage / item["identifier"] / "encoder_cache.safetensors"))["ec_cache"]
-            assert item["tokens"] == rows.shape[0] > 0
-        # The rows are those of vLLM's waveform (resampled as vLLM does), not of our own resampling.
+        # vLLM's waveforms on this CPU (a resampled clip's last bits depend on the CPU: test_vllm_identifiers.py
+        # checks them against the resampling itself), and the identifiers vLLM's framing gives them; on the CPU the
+        # golden file was recorded on (and on every CPU for the clip vLLM does not resample) vLLM's own.
         from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
 
         resampler = Resampler()
         try:
-            audio = decode_vllm_audio(clips["stereo44k.flac"], 16000, 60.0, "x", resampler)
+            waveforms = {name: decode_vllm_audio(clip, 16000, 60.0, "x", resampler) for name, clip in clips.items()}
         finally:
             resampler.close()
-        identifier = REFERENCE["audio"]["stereo44k.flac"]["identifiers"]["blake3"][CONSUMER_MODEL]
+        expected = {name: vllm_audio_hash("blake3", CONSUMER_MODEL, audio.samples) for name, audio in waveforms.items()}
+        for name, audio in waveforms.items():
+            if hashlib.sha256(audio.samples.tobytes()).hexdigest() == \
+                    REFERENCE["audio"][name]["samples_sha256"]:
+                assert expected[name] == REFERENCE["audio"][name]["identifiers"]["blake3"][CONSUMER_MODEL]
+        assert expected["mono16k.wav"] == REFERENCE["audio"]["mono16k.wav"]["identifiers"]["blake3"][CONSUMER_MODEL]
+        for name, part in parts.items():
+            response = post(server, proxy_body(part))
+            assert response.status_code == 200, response.text
+            (item,) = response.json()["encoder_cache"]
+            assert item["identifier"] == expected[name]
+            rows = load_file(str(storage / item["identifier"] / "encoder_cache.safetensors"))["ec_cache"]
+            assert item["tokens"] == rows.shape[0] > 0
+        # The rows are those of vLLM's waveform (resampled as vLLM does), not of our own resampling.
+        audio = waveforms["stereo44k.flac"]
+        identifier = expected["stereo44k.flac"]
         rows = load_file(str(storage / identifier / "encoder_cache.safetensors"))["ec_cache"]
         assert torch.equal(rows, native_rows_of(server, "audio", base64.b64encode(audio.wav()).decode()))
         for part, needle in [

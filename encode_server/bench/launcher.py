@@ -52,7 +52,7 @@ class ServerProcess:
                 for line in self.proc.stdout:
                     sink.write(line)
                     sink.flush()
-                    if line.startswith(READY_LINE):
+                    if READY_LINE in line:  # a plain line, or a JSON record's message (--log-format json)
                         ready_line_seen.set()
                         ready.set()
             ready.set()

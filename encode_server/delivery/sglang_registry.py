@@ -3,8 +3,12 @@
 SGLang's language side can discover encoders at run time (its `EncoderBootstrapServer`):
 `POST {url}/register_encoder_url {"url": <encoder URL>}` adds one, `DELETE {url}/unregister_encoder_url`
 with the same body removes it. On start the server registers with every given registry in the
-background, retrying with backoff while one is not up yet; when it starts draining it unregisters, so
-SGLang stops dispatching to it before it goes away.
+background; when it starts draining it unregisters, so SGLang stops dispatching to it before it goes away.
+
+A registry that is not up (or answers an error) is said at once, as a warning naming it and the cause;
+the server then keeps trying, with exponential backoff (0.5 s doubling up to `max_delay_s`), until it
+registers or drains, and repeats the warning at most once every `warn_every_s` (with the number of
+attempts), so a registry that is down for hours neither floods the log nor goes unnoticed.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ log = logging.getLogger("encode_server.delivery.sglang_registry")
 class SglangRegistry:
     """Registers `own_url` with each registry in `urls`; `withdraw()` undoes it."""
 
-    def __init__(self, urls: list[str], own_url: str, retry_for_s: float = 120.0, timeout_s: float = 5.0) -> None:
+    def __init__(self, urls: list[str], own_url: str, timeout_s: float = 5.0, max_delay_s: float = 30.0,
+                 warn_every_s: float = 60.0) -> None:
         self.urls = urls
         self.own_url = own_url
-        self.retry_for_s = retry_for_s
         self.timeout_s = timeout_s
+        self.max_delay_s = max_delay_s
+        self.warn_every_s = warn_every_s
         self.registered: set[str] = set()
         self._task: asyncio.Task | None = None
 
@@ -35,26 +41,39 @@ class SglangRegistry:
     async def _register_all(self) -> None:
         await asyncio.gather(*(self._register(url) for url in self.urls))
 
-    async def _register(self, registry: str) -> None:
-        delay, waited = 0.5, 0.0
+    async def _attempt(self, registry: str) -> str | None:
+        """One registration; None on success, else what went wrong."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                    f"{registry}/register_encoder_url", json={"url": self.own_url}) as response:
+                if response.status == 200:
+                    return None
+                return f"HTTP {response.status}: {(await response.text())[:200]}"
+        except asyncio.TimeoutError:
+            return f"no answer within {self.timeout_s:g} s"
+        except aiohttp.ClientError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def _register(self, registry: str) -> None:
+        loop = asyncio.get_running_loop()
+        delay, attempts, warned_at = 0.5, 0, None
         while True:
-            try:
-                async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                        f"{registry}/register_encoder_url", json={"url": self.own_url}) as response:
-                    if response.status == 200:
-                        self.registered.add(registry)
-                        log.info("registered %s with SGLang's encoder registry at %s", self.own_url, registry)
-                        return
-                    problem = f"HTTP {response.status}: {(await response.text())[:200]}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            if waited >= self.retry_for_s:
-                log.warning("could not register with %s within %g s: %s", registry, self.retry_for_s, problem)
+            attempts += 1
+            problem = await self._attempt(registry)
+            if problem is None:
+                self.registered.add(registry)
+                after = f" after {attempts} attempts" if attempts > 1 else ""
+                log.info("registered %s with SGLang's encoder registry at %s%s", self.own_url, registry, after)
                 return
+            now = loop.time()
+            if warned_at is None or now - warned_at >= self.warn_every_s:
+                warned_at = now
+                log.warning("cannot register with SGLang's encoder registry at %s (%d attempts so far): %s; "
+                            "retrying every %g s at most until it answers (--register-with)",
+                            registry, attempts, problem, self.max_delay_s)
             await asyncio.sleep(delay)
-            waited += delay
-            delay = min(delay * 2, 10.0)
+            delay = min(delay * 2, self.max_delay_s)
 
     async def withdraw(self) -> None:
         """Unregister from every registry (best effort, each within the timeout)."""

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +34,9 @@ from encode_server.records import EncodeError, error_body
 from encode_server.service import EncoderService
 from processors import load_adapter
 from processors.dtypes import DTYPE_NAMES
+
+#: Where the Swagger UI and ReDoc assets of /docs and /redoc are served from (this server, not a CDN).
+DOCS_ASSETS = "/docs-assets"
 
 log = logging.getLogger("encode_server.http")
 
@@ -105,7 +109,14 @@ async def answer_encode(service: EncoderService, limit: int, declared_length: st
         if error.req_id is None:
             error.req_id = request_id_of(payload)
         return error.status, error.body(), error.headers
+    except asyncio.CancelledError:
+        if not service.admission.draining:
+            raise
+        # The server exits (a second signal) while this request is in flight: answer 503, not uvicorn's 500.
+        return 503, error_body("the server is shutting down", request_id_of(payload)), {"Retry-After": "1"}
     except Exception as exc:  # a bug: still answer with the contract's error body
+        if service.admission.broken:  # the server is going away under this request
+            return 503, error_body(service.admission.broken, request_id_of(payload)), {"Retry-After": "5"}
         log.exception("unexpected error in /encode")
         return 500, error_body(f"internal error: {exc}", request_id_of(payload)), {}
 
@@ -222,7 +233,10 @@ def create_app(settings: Settings, adapter=None, group=None):
                 service.stager.close()
             await service.stop()
 
-    app = FastAPI(title="encode-server", version=encode_server.__version__, lifespan=lifespan)
+    # /docs and /redoc from assets installed with the package (fastapi-offline), never from a CDN: offline
+    # (an air-gapped node, a cluster without egress) FastAPI's default pages load nothing and stay blank.
+    app = FastAPIOffline(title="encode-server", version=encode_server.__version__, lifespan=lifespan,
+                         static_url=DOCS_ASSETS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

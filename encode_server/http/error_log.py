@@ -105,5 +105,6 @@ class ErrorAnswerLog:
             message = message[:_MESSAGE_CHARS] + "..."
         note = (f" ({left_out} more error answers were not logged: at most {self.budget.per_second} lines a second)"
                 if left_out else "")
-        log.info("answered %d to %s %s req_id=%s: %s%s", status, scope.get("method", "?"), scope.get("path", "?"),
-                 req_id or "-", message, note)
+        method, path = scope.get("method", "?"), scope.get("path", "?")
+        log.info("answered %d to %s %s req_id=%s: %s%s", status, method, path, req_id or "-", message, note,
+                 extra={"status": status, "method": method, "path": path, "req_id": req_id})

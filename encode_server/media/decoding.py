@@ -108,9 +108,9 @@ def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int, loca
     try:
         import av
     except ImportError:
-        raise MediaError(location, "video files need PyAV, which the server lacks: install the 'video' extra "
-                                   "(pip install 'encode-server[video]'), or send {\"frames\": [...]} instead"
-                         ) from None
+        raise MediaError(location, "video files need PyAV, which the server's environment lacks: install it there "
+                                   "(pip install av; from a checkout, pip install -e '.[video]'), or send "
+                                   "{\"frames\": [...]} (the video's frames as images) instead") from None
     try:
         container = av.open(io.BytesIO(data))
     except Exception:

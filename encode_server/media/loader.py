@@ -27,6 +27,7 @@ from PIL import Image
 
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
 from encode_server.media.url_guard import (
+    SEND_MEDIA_HOW,
     BlockedAddressError,
     GuardedConnector,
     content_type_refusal,
@@ -47,6 +48,15 @@ class MediaSource:
 
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/\s]+={0,2}\s*")
+_FILE_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,5}$")
+
+
+def _looks_like_path(text: str) -> bool:
+    """`cat.jpg`, `./images/a.png`, `C:\\media\\clip.mp4`: short, no spaces, a '.' or '\\' (neither base64
+    alphabet has them, so no base64 item is taken for a path) and an extension or a folder."""
+    if len(text) > 1024 or ("." not in text and "\\" not in text) or any(char.isspace() for char in text):
+        return False
+    return bool(_FILE_EXTENSION.search(text)) or "/" in text or "\\" in text
 
 
 def _parse_string(text: str, location: str) -> MediaSource:
@@ -65,6 +75,10 @@ def _parse_string(text: str, location: str) -> MediaSource:
         raise MediaError(location, f"unsupported URL scheme {scheme!r}: use http, https, data or file")
     if not text.strip():
         raise MediaError(location, "empty item")
+    if _looks_like_path(text):
+        how = (f"{SEND_MEDIA_HOW}; a local file needs an absolute path or file:// URL inside the server's "
+               f"--allowed-local-media-dir")
+        raise MediaError(location, f"{text[:200]!r} looks like a file path, not media: {how}")
     return MediaSource("base64", text, location)
 
 

@@ -89,13 +89,20 @@ def content_type_refusal(content_type: str | None, modality: str) -> str | None:
     return f"the server sent content type {kind!r}, not {modality} data"
 
 
+#: How a client sends an item's bytes, for the errors of items that are none of these.
+SEND_MEDIA_HOW = ("send the file's bytes as base64 (or a data: URI, data:image/png;base64,...), or an http(s):// "
+                  "URL the server can fetch")
+
+
 def resolve_local_path(raw: str, allowed_dir: str | None) -> Path:
     """The real path of a local media file, only inside `allowed_dir` (symlinks and `..` resolved).
 
     Raises PermissionError with the reason otherwise.
     """
     if allowed_dir is None:
-        raise PermissionError("local files are not accepted (the server has no --allowed-local-media-dir)")
+        raise PermissionError(f"{raw[:200]!r} is a local file path, and local files are not accepted (the server has "
+                              f"no --allowed-local-media-dir): {SEND_MEDIA_HOW}, or start the server with "
+                              f"--allowed-local-media-dir DIR to read files inside DIR")
     path_text = raw[len("file://"):] if raw.lower().startswith("file://") else raw
     if path_text.startswith("localhost/"):
         path_text = path_text[len("localhost"):]

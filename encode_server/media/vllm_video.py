@@ -23,8 +23,8 @@ The loader returns the frames (`[T, H, W, 3]` uint8) with a metadata dict (`tota
 `duration`, `video_backend`, `frames_indices`, `do_sample_frames`), and vLLM hashes the pair: the
 original bytes (or the frames, when those are smaller) and the metadata
 (`delivery/vllm_hash.EncodedVideo`). OpenCV is what decodes, as in vLLM: the `vllm` extra installs it
-(`pip install 'encode-server[vllm]'`); the pixels are the consumer's only when both sides run the same
-OpenCV build.
+(`pip install -e '.[vllm]'` from a checkout, or `pip install opencv-python-headless`); the pixels are the
+consumer's only when both sides run the same OpenCV build.
 """
 
 from __future__ import annotations
@@ -182,8 +182,9 @@ def _cv2(location: str):
         import cv2
         import cv2.videoio_registry
     except ImportError:
-        raise MediaError(location, "video_url items need OpenCV, which vLLM decodes videos with: install the "
-                                   "'vllm' extra (pip install 'encode-server[vllm]')") from None
+        raise MediaError(location, "video_url items need OpenCV, which vLLM decodes videos with, and the server's "
+                                   "environment lacks it: install it there (pip install opencv-python-headless; "
+                                   "from a checkout, pip install -e '.[vllm]')") from None
     return cv2
 
 

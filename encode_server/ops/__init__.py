@@ -1,3 +1,3 @@
 """Operations: the settings (one table), Prometheus metrics, the health probe, housekeeping (memory,
-pauses) and memory sizes. The bottom layer: imports nothing else of the server.
+pauses), memory sizes and the log format. The bottom layer: imports nothing else of the server.
 """

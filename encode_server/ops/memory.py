@@ -28,7 +28,8 @@ def parse_byte_size(text: str | int) -> int:
     match = _SIZE.fullmatch(text)
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
-        raise ValueError(f"expected a size such as 1073741824, 512MiB or 2GB, got {text!r}")
+        raise ValueError(f"expected a size in bytes such as 1073741824, 512MiB or 2GB (units: k, M, G, T or "
+                         f"KB, MB, GB, TB, powers of 1000; KiB, MiB, GiB, TiB, powers of 1024), got {text!r}")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -36,7 +37,10 @@ def parse_cache_bytes(text: str | int) -> int | str:
     """`auto` (see `default_cache_bytes`) or a byte size; 0 turns the cache off."""
     if isinstance(text, str) and text.strip().lower() == "auto":
         return "auto"
-    return parse_byte_size(text)
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise ValueError(f"expected 'auto', 0 (no cache) or {str(exc).removeprefix('expected ')}") from None
 
 
 def _cgroup_limit() -> int | None:

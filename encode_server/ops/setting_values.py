@@ -32,7 +32,8 @@ _CLASS_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 def check_class_path(path: str) -> str:
     """A dotted `module.Class` path; ValueError otherwise."""
     if not isinstance(path, str) or not _CLASS_PATH.match(path):
-        raise ValueError(f"{path!r} is not a dotted module.Class path")
+        raise ValueError(f"{path!r} is not a dotted module.Class path (such as "
+                         f"sglang.srt.disaggregation.encoder.receiver.EmbeddingData)")
     return path
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import encode_server
 from encode_server.ops.libraries import installed, missing_message
+from encode_server.ops.logs import LOG_FORMATS
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
 from encode_server.ops.setting_values import (
     advertised_url,
@@ -28,7 +29,6 @@ from encode_server.ops.setting_values import (
     registry_urls,
 )
 from encode_server.ops.transfer_config import ECTransferConfig, parse_ec_transfer_config
-from processors.dtypes import DTYPES
 
 
 def parse_bool(text: str | bool) -> bool:
@@ -40,8 +40,12 @@ def parse_bool(text: str | bool) -> bool:
         return True
     if value in ("0", "false", "no", "off", "n", "f"):
         return False
-    raise ValueError(f"expected true or false, got {text!r}")
+    raise ValueError(f"expected true or false (or 1/0, yes/no, on/off), got {text!r}")
 
+
+#: `--dtype` values besides auto: the names of `processors.dtypes.DTYPES`, written out so that reading the
+#: settings (and `--help`, `--version`) never imports torch.
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 #: `--device` values, as the error for any other names them.
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -102,7 +106,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--port", int, 30000, "port HTTP listens on"),
     Option("--device", str, "auto", f"{DEVICE_CHOICES} (auto: cuda if available, else cpu)"),
     Option("--dtype", str, "auto", "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16",
-           choices=("auto", *DTYPES)),
+           choices=("auto", *DTYPE_CHOICES)),
     Option("--max-batch-size", int, 32, "most requests fused into one encoder forward",
            aliases=("SGLANG_ENCODER_MAX_BATCH_SIZE",)),
     Option("--max-wait-ms", parse_wait_ms, 0.0,
@@ -159,6 +163,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--media-workers", int, 4, "threads that fetch and decode media items"),
     Option("--log-level", str, "info", "log level: debug, info, warning or error",
            choices=("debug", "info", "warning", "error")),
+    Option("--log-format", str, "text",
+           "text (one line per record, the level coloured only on a terminal and never with NO_COLOR set) or json "
+           "(one JSON object per line: time, level, logger, message and the record's extra fields)",
+           choices=LOG_FORMATS),
     Option("--wire-format", str, "native",
            "ZMQ frames for prefill receivers: native (a JSON header and the raw bytes, docs/CONTRACT.md section 3) "
            "or sglang (SGLang's pickled EmbeddingData and the raw bytes, for an unchanged SGLang prefill server)",
@@ -306,6 +314,7 @@ class Settings:
     cpu_threads: int = DEFAULTS["cpu_threads"]
     media_workers: int = DEFAULTS["media_workers"]
     log_level: str = DEFAULTS["log_level"]
+    log_format: str = DEFAULTS["log_format"]
     wire_format: str = DEFAULTS["wire_format"]
     sglang_embedding_class: str = DEFAULTS["sglang_embedding_class"]
     register_with: str | None = DEFAULTS["register_with"]
@@ -376,7 +385,10 @@ class Settings:
         check_device(self.device)
         if self.wire_format not in ("native", "sglang"):
             raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
-        check_class_path(self.sglang_embedding_class)
+        try:
+            check_class_path(self.sglang_embedding_class)
+        except ValueError as exc:
+            raise ValueError(f"--sglang-embedding-class: {exc}") from None
         exempt_networks(self.api_key_exempt_cidrs)
         if self.ec_hash_algorithm not in ("blake3", "sha256", "sha512"):
             raise ValueError(f"--ec-hash-algorithm must be blake3, sha256 or sha512, got {self.ec_hash_algorithm!r}")
@@ -472,14 +484,41 @@ class Settings:
         return data
 
 
+#: What a plain int or float setting accepts, for the errors that name the flag or variable.
+_PLAIN_TYPES = {int: "a whole number (such as 8)", float: "a number (such as 2.5)"}
+
+
+def parse_value(option: Option, text: str) -> Any:
+    """`text` read as `option`'s type; a ValueError that says what the option accepts and what it got."""
+    try:
+        return option.type(text)
+    except (ValueError, TypeError) as exc:
+        if option.type in _PLAIN_TYPES:
+            raise ValueError(f"expected {_PLAIN_TYPES[option.type]}, got {text!r}") from None
+        raise ValueError(str(exc)) from None
+
+
+def _argparse_type(option: Option) -> Callable[[str], Any]:
+    """`option.type` for argparse: its error becomes argparse's `argument --flag: <what is accepted>, got 'x'`
+    (a plain ValueError gives `invalid parse_bool value: 'x'`, naming a function and no accepted value)."""
+    def parse(text: str) -> Any:
+        try:
+            return parse_value(option, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = option.dest
+    return parse
+
+
 def _env_default(option: Option, environ: Mapping[str, str]) -> Any:
     for name in (option.env_var, *option.aliases):
         raw = environ.get(name)
         if raw is not None and raw != "":
             try:
-                value = option.type(raw)
+                value = parse_value(option, raw)
             except ValueError as exc:
-                raise SystemExit(f"encode-server: bad value for {name}: {exc}") from None
+                raise SystemExit(f"encode-server: bad value for {name} ({option.flag}): {exc}") from None
             if option.choices and value not in option.choices:
                 raise SystemExit(f"encode-server: {name} must be one of {', '.join(option.choices)}, got {raw!r}")
             return value
@@ -499,7 +538,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         env_names = " or ".join((option.env_var, *option.aliases))
         kwargs: dict[str, Any] = dict(
             dest=option.dest,
-            type=option.type,
+            type=_argparse_type(option),
             default=_env_default(option, environ),
             help=f"{option.help} [env: {env_names}]",
         )

@@ -31,6 +31,7 @@ import zmq
 
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_batch, unpack_result
+from encode_server.parallel.worker import START_FAILED
 from processors import EncoderAdapter, ItemLayout, PreparedBatch, resolve_device
 
 log = logging.getLogger("encode_server.ranks")
@@ -66,6 +67,7 @@ class WorkerGroup:
         self._results: zmq.Socket | None = None
         self.result_endpoint: str | None = None
         self.dist_init: str | None = None
+        self._stopping = False
 
     # --- start and stop ---------------------------------------------------------------------
 
@@ -107,11 +109,15 @@ class WorkerGroup:
     def _watch(self, worker: WorkerRank) -> None:
         code = worker.process.wait()
         worker.alive = False
-        log.error("%s rank %d (pid %d) exited with code %s", self.role, worker.rank, worker.process.pid, code)
+        # A rank that rank 0 stops is no news, and one whose start failed said why (or rank 0 will, as it
+        # meets the same error): one line for one failure.
+        if not self._stopping and code != START_FAILED:
+            log.error("%s rank %d (pid %d) exited with code %s", self.role, worker.rank, worker.process.pid, code)
         if self._on_death is not None:
             self._on_death(worker)
 
     def stop(self) -> None:
+        self._stopping = True
         for worker in self.workers:
             if worker.process.poll() is None:
                 worker.process.terminate()

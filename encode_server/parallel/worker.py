@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
+from encode_server.ops.logs import configure_logging, route_library_logs
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_result, unpack_batch
 from processors import load_adapter
@@ -85,7 +86,27 @@ def run_data_parallel(adapter, limits: MediaLimits, batches: zmq.Socket, results
             results.send_multipart(pack_result(batch_id, None, [], error=f"{type(exc).__name__}: {exc}"))
 
 
+#: A rank's exit status when its start-up failed; rank 0 says why (it runs the same checks) or names the rank.
+START_FAILED = 3
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run a rank; a start-up failure is one line (none for a sharding error, which rank 0 meets and reports
+    too), never a traceback, and exits `START_FAILED`."""
+    from processors.sharding import ShardingError
+
+    try:
+        serve_rank(argv)
+    except ShardingError:  # the same model and --tp-size on every rank: rank 0 reports it, once
+        sys.exit(START_FAILED)
+    except (ValueError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(START_FAILED)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group: rank 0 says it
+        sys.exit(128 + signal.SIGINT)
+
+
+def serve_rank(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="encode-server worker rank (started by rank 0)")
     parser.add_argument("--role", choices=("tp", "dp"), required=True)
     parser.add_argument("--rank", type=int, required=True)
@@ -98,10 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()
     settings = Settings(**json.loads(args.settings_json))
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format, process=f"rank{args.rank}")
     if args.device == "cpu":
         torch.set_num_threads(settings.cpu_threads_per_rank(args.world_size))
+    route_library_logs()  # transformers' lines in the rank's format too
     adapter = load_adapter(settings.model, args.device, settings.dtype)
     limits = MediaLimits.from_settings(settings, adapter)
     context = zmq.Context()

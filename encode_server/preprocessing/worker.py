@@ -70,8 +70,9 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on SIGINT; it stops workers itself
     torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s preprocess-worker{index}: "
-                                                      "%(message)s")
+    from encode_server.ops.logs import configure_logging
+
+    configure_logging("warning", process=f"preprocess-worker{index}")
     try:
         modality, sample = adapter.sample_encoded()
         prepare_item(adapter, limits, modality, sample, "warm-up")
