@@ -2,7 +2,7 @@
 # A pool of encoders on one machine sharing one embedding cache through Mooncake Store: a mooncake_master,
 # a mooncake_client that lends the pool STORE_MEMORY (entries there outlive every encoder's restart), and one
 # encode-server per GPU (or N on the CPU), each on its own port, all with --cache-store. Needs the mooncake
-# extra (pip install 'encode-server[mooncake]'; the binaries load libibverbs: apt-get install libibverbs1).
+# extra (pip install mooncake-transfer-engine-non-cuda; the binaries load libibverbs: apt-get install libibverbs1).
 # Usage: MODEL=/models/Qwen2.5-VL-7B-Instruct bash scripts/store_pool.sh      (one server per GPU)
 #        N=3 DEVICE=cpu bash scripts/store_pool.sh --cache-bytes 256MiB      (extra arguments: every server)
 # Ctrl-C stops them all.

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from .helpers import InProcessServer, decode_embedding, png_bytes
 
 mooncake_store = pytest.importorskip(
-    "mooncake.store", reason="the mooncake extra is not installed (pip install 'encode-server[mooncake]')")
+    "mooncake.store", reason="Mooncake is not installed: pip install -e '.[mooncake]'")
 
 MAGIC = 0x4D4F4F4E  # vLLM's _MOONCAKE_TENSOR_OBJECT_MAGIC
 FLOAT32_CODE = 0

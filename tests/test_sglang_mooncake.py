@@ -21,7 +21,7 @@ import zmq
 from tests.helpers import InProcessServer, decode_embedding, free_port, png_bytes
 from tests.test_sglang_wire import load
 
-pytest.importorskip("mooncake.engine", reason="pip install 'encode-server[mooncake]'")
+pytest.importorskip("mooncake.engine", reason="Mooncake is not installed: pip install -e '.[mooncake]'")
 
 
 def server(*extra: str) -> InProcessServer:

@@ -38,11 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encode_server.cache import store_format
+from encode_server.ops.libraries import missing_message
 
 log = logging.getLogger("encode_server.cache.store")
 
-#: Extra that brings Mooncake's client and master.
-EXTRA_HINT = "pip install 'encode-server[mooncake]' (the mooncake-transfer-engine-non-cuda package)"
 
 #: Mooncake's error code for a put of a key the Store holds already (its first value is kept).
 OBJECT_ALREADY_EXISTS = -705
@@ -151,7 +150,7 @@ def mooncake_client_factory() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
-        raise ImportError(f"--cache-store needs Mooncake's store client: {EXTRA_HINT} ({exc})") from None
+        raise ImportError(f"{missing_message('mooncake', '--cache-store')} ({exc})") from None
     return MooncakeDistributedStore()
 
 
@@ -172,7 +171,7 @@ def check_installed() -> None:
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
-        raise ImportError(f"--cache-store needs Mooncake's store client: {EXTRA_HINT} ({exc})") from None
+        raise ImportError(f"{missing_message('mooncake', '--cache-store')} ({exc})") from None
 
 
 class StoreConnection:

@@ -10,7 +10,9 @@ import importlib.util
 
 #: library -> (the module it is imported as, the pip extra of this package that installs it, the wheel)
 LIBRARIES: dict[str, tuple[str, str, str]] = {
-    "mooncake": ("mooncake.engine", "mooncake", "mooncake-transfer-engine (or -non-cuda on a machine without CUDA)"),
+    "mooncake": ("mooncake.engine", "mooncake",
+                 "mooncake-transfer-engine-non-cuda (mooncake-transfer-engine on a CUDA machine); its binaries load "
+                 "the system's libibverbs1, even over TCP (Debian/Ubuntu: apt-get install libibverbs1)"),
 }
 
 
@@ -30,8 +32,8 @@ def installed(library: str) -> bool:
 def missing_message(library: str, wanted_by: str) -> str:
     """One line: what needs the library and how to install it."""
     _, extra, wheel = LIBRARIES[library]
-    return (f"{wanted_by} needs the {library} transfer library, which is not installed: "
-            f"pip install 'encode-server[{extra}]' (the wheel {wheel})")
+    return (f"{wanted_by} needs the {library} library, which is not installed: pip install {wheel}; "
+            f"or, in a checkout of encode-server, pip install -e '.[{extra}]'")
 
 
 def require(library: str, wanted_by: str) -> None:

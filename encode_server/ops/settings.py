@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -401,10 +400,8 @@ class Settings:
             if self.cache_bytes == 0:
                 raise ValueError("--cache-store is the second tier of the embedding cache: it needs the first "
                                  "(--cache-bytes above 0, or auto)")
-            if importlib.util.find_spec("mooncake") is None:
-                raise ValueError("--cache-store needs Mooncake Store's client, which is not installed: "
-                                 "pip install 'encode-server[mooncake]' (the mooncake-transfer-engine-non-cuda "
-                                 "package; its binaries also need the system's libibverbs1)")
+            if not installed("mooncake"):
+                raise ValueError(missing_message("mooncake", "--cache-store (Mooncake Store's client)"))
         if self.cache_store_timeout_ms <= 0 or self.cache_store_publish_items < 0 or self.cache_store_publish_bytes < 0:
             raise ValueError("--cache-store-timeout-ms must be positive; --cache-store-publish-items and "
                              "--cache-store-publish-bytes must not be negative")
