@@ -806,6 +806,8 @@ def concurrent(consumer: Consumer, url: str, storage: Path, model: str) -> None:
     """16 requests at once (distinct images) while a reader opens every file as soon as it appears."""
     from safetensors.torch import load_file
 
+    from tests.helpers import rel_diff
+
     stop = threading.Event()
     seen, broken = set(), []
 
@@ -849,12 +851,13 @@ def concurrent(consumer: Consumer, url: str, storage: Path, model: str) -> None:
         mm_data, mm_uuids = consumer.parse(body)
         features, loaded = consumer.load(consumer.process(mm_data, mm_uuids))
         reference = native_rows(url, mm_data["image"][0].media)
-        import torch
-
-        if not (features[0].identifier in loaded and torch.equal(loaded[features[0].identifier], reference)):
+        rows = loaded.get(features[0].identifier)
+        # Rows from a fused forward equal the item's lone rows up to float32 rounding (the matrix multiplies
+        # block their sums by the batch's row count); a neighbour's rows would differ in shape or entirely.
+        if rows is None or rows.shape != reference.shape or rel_diff(rows, reference) > 1e-5:
             failures.append(index)
     record("16 concurrent requests: vLLM loads each item's own rows", not failures, f"failed: {failures}" if failures
-           else "16 of 16 bit-identical")
+           else "16 of 16 equal to the item's lone rows within 1e-5")
 
 
 def bounded(consumer: Consumer, folder: Path, work: Path) -> None:
