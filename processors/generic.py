@@ -15,7 +15,8 @@ point where its language model would start:
 - **An item** (an image, an audio clip at the feature extractor's rate, or a video's frames as the server
   sampled them, with their source frame rate and indices) goes through the folder's full
   processor alone, in a prompt holding the modality's placeholder (the chat template's, which writes any
-  framing the processor expects, else the processor's own token). The model's forward runs on the result
+  framing the processor expects, else the processor's own token, else that token between the start and end
+  tokens the processor names, for a processor that refuses a bare one). The model's forward runs on the result
   until the trap; the rows are `inputs_embeds` at the positions of the tokens the model fills, in order:
   what the language model receives there. The item's row count is the number of those tokens the full
   processor inserted, counted by running the processor (cached per image size or clip length): the

@@ -142,13 +142,24 @@ PROMPT_TOKENS = {"image": ("boi_token", "start_image_token", "image_start_token"
                  "video": ("video_start_token",)}
 
 
+def token_attribute(processor: Any, name: str) -> str | None:
+    value = getattr(processor, name, None)
+    value = getattr(value, "content", value)
+    return value if isinstance(value, str) and value else None
+
+
 def prompt_candidates(processor: Any, modality: str, token: str) -> list[str]:
+    """The prompt forms tried in order: the token, the tokens a prompt holds instead, the token framed by the
+    processor's start and end tokens (HunYuan-VL refuses a bare `<image>`: "must be formatted as
+    <image_start><image><image_end>"), and no token."""
     found = [token]
     for name in PROMPT_TOKENS[modality]:
-        value = getattr(processor, name, None)
-        value = getattr(value, "content", value)
-        if isinstance(value, str) and value and value not in found:
+        value = token_attribute(processor, name)
+        if value is not None and value not in found:
             found.append(value)
+    start, end = (token_attribute(processor, f"{modality}_{side}_token") for side in ("start", "end"))
+    if start is not None and end is not None and start + token + end not in found:
+        found.append(start + token + end)
     return found + [""]
 
 
