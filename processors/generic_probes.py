@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from .base import ModelInfo
+from .chat_request import CHAT_REQUEST
 from .checkpoint import CheckpointError
 from .joined_inputs import joined_inputs
 from .video_clip import VideoClip
@@ -47,8 +48,9 @@ def token_text(source: Any, name: str) -> str | None:
 def placeholder_prompts(processor: Any, modality: str) -> list[str]:
     """Prompts holding one placeholder: the chat template's (with the framing it writes), then the bare token,
     then the token between the start and end tokens the processor names (`<image_start><image><image_end>`:
-    a processor that refuses a bare placeholder expects that form where its folder ships no template); last an
-    empty text, for processors that insert the placeholders themselves."""
+    a processor that refuses a bare placeholder expects that form where its folder ships no template); then an
+    empty text, for processors that insert the placeholders themselves; last, for images and audio, the item
+    alone in a chat request (`processors/chat_request.py`), for processors that take media no other way."""
     prompts = []
     tokenizer = getattr(processor, "tokenizer", None)
     if getattr(processor, "chat_template", None):
@@ -68,6 +70,8 @@ def placeholder_prompts(processor: Any, modality: str) -> list[str]:
                 framed.append(start + token + end)
     prompts.extend(prompt for prompt in dict.fromkeys(framed) if prompt not in prompts)
     prompts.append("")  # processors that insert the placeholders themselves (e.g. before the text)
+    if modality in ("image", "audio") and callable(getattr(processor, "apply_chat_template", None)):
+        prompts.append(CHAT_REQUEST)  # processors that take media only in a chat request (Voxtral)
     return prompts
 
 

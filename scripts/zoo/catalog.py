@@ -49,6 +49,8 @@ MODEL_CLASS_OVERRIDES: dict[str, str] = {}
 HAND_BUILT: dict[str, tuple[str, str]] = {
     "dots3_note": ("tests.omni_family_checkpoints", "dots3_note_checkpoint"),
     "muse_spark": ("tests.omni_family_checkpoints", "muse_spark_checkpoint"),
+    # a `mistral_common` tokenizer (tekken.json) that writes the audio tokens of a chat request
+    "voxtral": ("tests.voxtral_checkpoint", "voxtral_checkpoint"),
 }
 
 #: Chat templates a Hub folder ships that the processor cannot run without ({BOI}: the processor's boi_token).

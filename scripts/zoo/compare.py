@@ -114,7 +114,32 @@ class EmbedsGrabber:
             handle.remove()
 
 
+def takes_media_only_in_chat_requests(processor: Any) -> bool:
+    """Voxtral's processor: its tokenizer is `mistral_common`'s, which writes the media tokens of a chat request
+    itself; its `__call__` refuses audio."""
+    return type(getattr(processor, "tokenizer", None)).__name__ == "MistralCommonBackend"
+
+
+def chat_request_inputs(processor: Any, modality: str, item: Any, rate: int) -> dict:
+    """The item alone in a user message (a float32 WAV, as a client would send the clip), through the processor's
+    own chat request."""
+    import base64
+    import io
+
+    import soundfile
+
+    if modality != "audio":
+        raise ValueError(f"no {modality} in a chat request here")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, item, rate, format="WAV", subtype="FLOAT")
+    content = {"type": "audio", "base64": base64.b64encode(buffer.getvalue()).decode()}
+    return processor.apply_chat_template([{"role": "user", "content": [content]}], tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
 def processor_inputs(processor: Any, modality: str, token: str, item: Any, rate: int) -> dict:
+    if takes_media_only_in_chat_requests(processor):
+        return chat_request_inputs(processor, modality, item, rate)
     text = f"describe {token}"
     extra = {"return_mm_token_type_ids": True} if "mm_token_type_ids" in getattr(processor, "model_input_names",
                                                                                  ()) else {}
