@@ -140,7 +140,8 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # its two last tower layers ([24, 18])
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": 20}},  # the text width (80) // 4
     "nemo_speechlm": {"word_timestamp_config": {"blank_token_id": 319}},  # the last class of the tiny vocabulary
-    # its LM head is as wide as the unpadded vocabulary, which its defaults keep at the published 200058
+    # their LM heads are as wide as the unpadded vocabulary, which their defaults keep at the published 200058
+    "inkling2": {"text_config": {"unpadded_vocab_size": 320}},
     "inkling2_loop": {"text_config": {"unpadded_vocab_size": 320}},
     # its defaults leave the head size and the multimodal rope axes None (published: xdrope_section [16]*4 of a
     # head of 128, four axes; rescaled to the tiny head by the shrink)
