@@ -195,12 +195,27 @@ class EncoderAdapter(ABC):
         """A tiny decoded item of a supported modality, for warm-up and health probes."""
 
     def sample_encoded(self) -> tuple[str, bytes]:
-        """`sample_item` as the bytes of a file a client could send (PNG here; audio adapters say WAV)."""
+        """`sample_item` as the bytes of a file a client could send, for the health probe and the preprocessing
+        workers' warm-up: an image as PNG, an audio clip as WAV at the adapter's `sampling_rate`. A model whose
+        sample is a video says which modality to probe instead (`sample_item` picks an image or audio where
+        the model takes one)."""
         import io
 
-        modality, image = self.sample_item()
+        from PIL import Image
+
+        modality, item = self.sample_item()
         buffer = io.BytesIO()
-        image.save(buffer, "PNG")
+        if isinstance(item, Image.Image):
+            item.save(buffer, "PNG")
+        elif modality == "audio":
+            import numpy as np
+            import soundfile
+
+            soundfile.write(buffer, np.asarray(item, dtype=np.float32), int(getattr(self, "sampling_rate", 16000)),
+                            format="WAV")
+        else:
+            raise TypeError(f"{type(self).__name__}: no file form for a sample {modality} item "
+                            f"({type(item).__name__}); sample_item must give an image or an audio clip")
         return modality, buffer.getvalue()
 
     def warmup(self) -> None:

@@ -15,11 +15,13 @@ point where its language model would start:
 - **An item** (an image, an audio clip at the feature extractor's rate, or a video's frames as the server
   sampled them, with their source frame rate and indices) goes through the folder's full
   processor alone, in a prompt holding the modality's placeholder (the chat template's, which writes any
-  framing the processor expects, else the processor's own token). The model's forward runs on the result
-  until the trap; the rows are `inputs_embeds` at the positions of the tokens the model fills, in order:
-  what the language model receives there. The item's row count is the number of those tokens the full
-  processor inserted, counted by running the processor (cached per image size or clip length): the
-  prefill side runs the same processor.
+  framing the processor expects, else the processor's own token, else that token between the start and end
+  tokens the processor names, for a processor that refuses a bare one; for a processor that takes media only
+  through its chat request, as Voxtral's, the item alone in a user message, `processors/chat_request.py`).
+  The model's forward runs on the result until the trap; the rows are `inputs_embeds` at the positions of
+  the tokens the model fills, in order: what the language model receives there. The item's row count is the
+  number of those tokens the full processor inserted, counted by running the processor (cached per image size
+  or clip length): the prefill side runs the same processor.
 - **Which tokens the model fills is measured at start-up, never assumed** (`processors/generic_probes.py`). Probe
   items of several sizes run with text embeddings of zeros and of a fixed pattern, and again with other content of
   the same size. A token is a placeholder if the rows at its positions change with the item; they must not change
@@ -47,6 +49,7 @@ import torch
 from PIL import Image
 
 from .base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from .chat_request import ChatRequestPrompt, chat_request_inputs
 from .checkpoint import CheckpointError, read_config
 from .family import Family
 from .generic_probes import MODALITY_PROCESSORS, PROBE_CLIP_FPS, PlaceholderProbes, first_line, probe_items
@@ -113,6 +116,10 @@ class GenericAdapter(PlaceholderProbes, EncoderAdapter):
             raise ItemError(f"item {index}: expected a video's frames, got {type(item).__name__}")
 
     def _process(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
+        if isinstance(prompt, ChatRequestPrompt):
+            processed = chat_request_inputs(self.processor, modality, item, self.sampling_rate)
+            return {key: value for key, value in processed.items()
+                    if key in self.forward_inputs or key.endswith("input_ids")}
         if modality == "image":
             media = {"images": [item]}
         elif modality == "video":  # the frames as the server sampled them, with where they come from

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from .base import ModelInfo
+from .chat_request import CHAT_REQUEST
 from .checkpoint import CheckpointError
 from .joined_inputs import joined_inputs
 from .video_clip import VideoClip
@@ -37,24 +38,40 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
+def token_text(source: Any, name: str) -> str | None:
+    """A processor's or tokenizer's token attribute as text (an `AddedToken`'s content), or None."""
+    token = getattr(source, name, None)
+    token = getattr(token, "content", token)
+    return token if isinstance(token, str) and token else None
+
+
 def placeholder_prompts(processor: Any, modality: str) -> list[str]:
-    """Prompts holding one placeholder: the chat template's (with the framing it writes), then the bare token;
-    last an empty text, for processors that insert the placeholders themselves."""
+    """Prompts holding one placeholder: the chat template's (with the framing it writes), then the bare token,
+    then the token between the start and end tokens the processor names (`<image_start><image><image_end>`:
+    a processor that refuses a bare placeholder expects that form where its folder ships no template); then an
+    empty text, for processors that insert the placeholders themselves; last, for images and audio, the item
+    alone in a chat request (`processors/chat_request.py`), for processors that take media no other way."""
     prompts = []
+    tokenizer = getattr(processor, "tokenizer", None)
     if getattr(processor, "chat_template", None):
         try:
             prompts.append(processor.apply_chat_template(
                 [{"role": "user", "content": [{"type": modality}]}], tokenize=False, add_generation_prompt=False))
         except Exception:  # noqa: BLE001 (a template that cannot render a bare item: try the token alone)
             pass
-    tokenizer = getattr(processor, "tokenizer", None)
+    framed = []
     for source in (processor, tokenizer):
         for name in (f"{modality}_token", f"{modality}_placeholder_token"):  # the latter: what a prompt holds
-            token = getattr(source, name, None)
-            token = getattr(token, "content", token)  # an AddedToken
-            if isinstance(token, str) and token and token not in prompts:
+            token = token_text(source, name)
+            if token is not None and token not in prompts:
                 prompts.append(token)
+            start, end = token_text(source, f"{modality}_start_token"), token_text(source, f"{modality}_end_token")
+            if token is not None and start is not None and end is not None:
+                framed.append(start + token + end)
+    prompts.extend(prompt for prompt in dict.fromkeys(framed) if prompt not in prompts)
     prompts.append("")  # processors that insert the placeholders themselves (e.g. before the text)
+    if modality in ("image", "audio") and callable(getattr(processor, "apply_chat_template", None)):
+        prompts.append(CHAT_REQUEST)  # processors that take media only in a chat request (Voxtral)
     return prompts
 
 

@@ -52,15 +52,6 @@ class QwenAudioAdapter(EncoderAdapter):
     def sample_item(self) -> tuple[str, Any]:
         return "audio", np.zeros(self.sampling_rate // 10, dtype=np.float32)
 
-    def sample_encoded(self) -> tuple[str, bytes]:
-        import io
-
-        import soundfile
-
-        buffer = io.BytesIO()
-        soundfile.write(buffer, self.sample_item()[1], self.sampling_rate, format="WAV")
-        return "audio", buffer.getvalue()
-
     def item_layout(self, modality: str, item: Any) -> ItemLayout:
         if not isinstance(item, np.ndarray) or item.ndim != 1:
             raise ItemError("expected a mono waveform")

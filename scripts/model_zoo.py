@@ -91,6 +91,42 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines + ["", summary(rows), ""])
 
 
+def versions() -> str:
+    """The library versions a table was made with (torchvision's as installed, hidden or not)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("transformers", "torch", "torchvision"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"no {package}")
+    return ", ".join(found)
+
+
+def combined_markdown(report: dict[str, list[dict]]) -> str:
+    """One table with a result column per environment (with torchvision, without it), and each one's summary.
+    A detail shared by both environments is shown once; otherwise each environment's, labelled."""
+    titles = list(report)
+    keyed = [{(row["model_type"], row["modality"]): row for row in report[title]} for title in titles]
+    order = list(dict.fromkeys(key for rows in keyed for key in rows))
+    header = "| model_type | modality | " + " | ".join(titles) + " | detail |"
+    lines = [header, "| --- | --- | " + " | ".join("---" for _ in titles) + " | --- |"]
+    for key in order:
+        rows = [by_key.get(key) for by_key in keyed]
+        results = [row["result"] if row else "-" for row in rows]
+        details = [row["detail"] if row else "" for row in rows]
+        if len(set(details)) == 1:
+            detail = details[0]
+        else:
+            detail = "; ".join(f"{title}: {text}" for title, text in zip(titles, details, strict=True) if text)
+        detail = detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(results) + f" | {detail} |")
+    lines.append("")
+    lines.extend(f"- {title}: {summary(report[title])}" for title in titles)
+    return "\n".join(lines + [""])
+
+
 def plain(rows: list[dict], title: str) -> str:
     lines = [title]
     for row in rows:
@@ -129,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         heading = f"{title} ({len(types)} model types, {time.monotonic() - started:.0f} s)"
         report[title] = rows
         print(markdown(rows, heading) if args.markdown else plain(rows, heading))
+    if args.markdown and len(report) > 1:
+        print(f"### Both environments ({versions()})\n\n{combined_markdown(report)}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -44,3 +44,21 @@ def test_summary_counts_pairs_by_modality():
     assert summary(rows).startswith("exact 2 of 4 buildable pairs (images 1/2, audio 0/1, video 1/1); wrong 1, "
                                     "refused 1, "
                                     "error 0; not applicable 1 types, unbuildable 1")
+
+
+def test_the_combined_table_has_a_result_column_per_environment_and_each_ones_summary():
+    from scripts.model_zoo import combined_markdown
+
+    report = {"with torchvision": [{"model_type": "a", "modality": "image", "result": "exact", "detail": "rows [4]"},
+                                   {"model_type": "b", "modality": "video", "result": "exact", "detail": "rows [8]"}],
+              "without torchvision": [{"model_type": "a", "modality": "image", "result": "exact",
+                                       "detail": "rows [4]"},
+                                      {"model_type": "b", "modality": "video", "result": "refused",
+                                       "detail": "needs | torchvision"}]}
+    lines = combined_markdown(report).splitlines()
+    assert lines[0] == "| model_type | modality | with torchvision | without torchvision | detail |"
+    assert lines[2] == "| a | image | exact | exact | rows [4] |"
+    assert lines[3] == ("| b | video | exact | refused | with torchvision: rows [8]; without torchvision: needs \\| "
+                        "torchvision |")
+    assert lines[5].startswith("- with torchvision: exact 2 of 2 buildable pairs")
+    assert lines[6].startswith("- without torchvision: exact 1 of 2 buildable pairs")

@@ -49,6 +49,8 @@ MODEL_CLASS_OVERRIDES: dict[str, str] = {}
 HAND_BUILT: dict[str, tuple[str, str]] = {
     "dots3_note": ("tests.omni_family_checkpoints", "dots3_note_checkpoint"),
     "muse_spark": ("tests.omni_family_checkpoints", "muse_spark_checkpoint"),
+    # a `mistral_common` tokenizer (tekken.json) that writes the audio tokens of a chat request
+    "voxtral": ("tests.voxtral_checkpoint", "voxtral_checkpoint"),
 }
 
 #: Chat templates a Hub folder ships that the processor cannot run without ({BOI}: the processor's boi_token).
@@ -138,7 +140,13 @@ CONFIG_EXTRA: dict[str, dict[str, Any]] = {
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # its two last tower layers ([24, 18])
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": 20}},  # the text width (80) // 4
     "nemo_speechlm": {"word_timestamp_config": {"blank_token_id": 319}},  # the last class of the tiny vocabulary
-    "hunyuan_vl": {"text_config": {"head_dim": 32}},  # its defaults leave it None
+    # their LM heads are as wide as the unpadded vocabulary, which their defaults keep at the published 200058
+    "inkling2": {"text_config": {"unpadded_vocab_size": 320}},
+    "inkling2_loop": {"text_config": {"unpadded_vocab_size": 320}},
+    # its defaults leave the head size and the multimodal rope axes None (published: xdrope_section [16]*4 of a
+    # head of 128, four axes; rescaled to the tiny head by the shrink)
+    "hunyuan_vl": {"text_config": {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [16, 16, 16, 16]}}},
     "aya_vision": {"vision_config": {"image_size": 364}},  # its processor's 364-pixel tiles (img_size)
     "smolvlm": {"vision_config": {"image_size": 364, "patch_size": 14}},  # its processor's 364-pixel tiles, 169 rows
     # Gemma 3n shares its last layers' key/value caches: four layers, the last two reading the first two's

@@ -114,7 +114,32 @@ class EmbedsGrabber:
             handle.remove()
 
 
+def takes_media_only_in_chat_requests(processor: Any) -> bool:
+    """Voxtral's processor: its tokenizer is `mistral_common`'s, which writes the media tokens of a chat request
+    itself; its `__call__` refuses audio."""
+    return type(getattr(processor, "tokenizer", None)).__name__ == "MistralCommonBackend"
+
+
+def chat_request_inputs(processor: Any, modality: str, item: Any, rate: int) -> dict:
+    """The item alone in a user message (a float32 WAV, as a client would send the clip), through the processor's
+    own chat request."""
+    import base64
+    import io
+
+    import soundfile
+
+    if modality != "audio":
+        raise ValueError(f"no {modality} in a chat request here")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, item, rate, format="WAV", subtype="FLOAT")
+    content = {"type": "audio", "base64": base64.b64encode(buffer.getvalue()).decode()}
+    return processor.apply_chat_template([{"role": "user", "content": [content]}], tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
 def processor_inputs(processor: Any, modality: str, token: str, item: Any, rate: int) -> dict:
+    if takes_media_only_in_chat_requests(processor):
+        return chat_request_inputs(processor, modality, item, rate)
     text = f"describe {token}"
     extra = {"return_mm_token_type_ids": True} if "mm_token_type_ids" in getattr(processor, "model_input_names",
                                                                                  ()) else {}
@@ -142,13 +167,24 @@ PROMPT_TOKENS = {"image": ("boi_token", "start_image_token", "image_start_token"
                  "video": ("video_start_token",)}
 
 
+def token_attribute(processor: Any, name: str) -> str | None:
+    value = getattr(processor, name, None)
+    value = getattr(value, "content", value)
+    return value if isinstance(value, str) and value else None
+
+
 def prompt_candidates(processor: Any, modality: str, token: str) -> list[str]:
+    """The prompt forms tried in order: the token, the tokens a prompt holds instead, the token framed by the
+    processor's start and end tokens (HunYuan-VL refuses a bare `<image>`: "must be formatted as
+    <image_start><image><image_end>"), and no token."""
     found = [token]
     for name in PROMPT_TOKENS[modality]:
-        value = getattr(processor, name, None)
-        value = getattr(value, "content", value)
-        if isinstance(value, str) and value and value not in found:
+        value = token_attribute(processor, name)
+        if value is not None and value not in found:
             found.append(value)
+    start, end = (token_attribute(processor, f"{modality}_{side}_token") for side in ("start", "end"))
+    if start is not None and end is not None and start + token + end not in found:
+        found.append(start + token + end)
     return found + [""]
 
 
