@@ -241,7 +241,7 @@ def test_settings_refuse_what_the_backend_cannot_honour_in_one_line(monkeypatch)
     with pytest.raises(SystemExit):
         load_settings(["--encoder-transfer-backend", "nixl"])
     monkeypatch.setattr(settings_module, "installed", lambda library: False)
-    with pytest.raises(ValueError, match=r"pip install 'encode-server\[mooncake\]'") as refused:
+    with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1") as refused:
         Settings(encoder_transfer_backend="mooncake")
     assert "\n" not in str(refused.value)
     assert Settings().encoder_transfer_backend == "zmq_to_scheduler"  # nothing asks for the library by default
