@@ -239,9 +239,8 @@ class DrainingServer:
                 # handlers still running write their 503s before the loop ends.
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.lifespan.shutdown(), 3.0)
-                deadline = time.monotonic() + cls.FORCED_GRACE_S
-                while self.server_state.tasks and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
+                if self.server_state.tasks:
+                    await asyncio.wait(set(self.server_state.tasks), timeout=cls.FORCED_GRACE_S)
 
         return _Server(config)
 
