@@ -369,7 +369,8 @@ class StoreConnection:
                 continue
             answering = probe(address)
             if answering and self.state == "lost":
-                time.sleep(1.0)  # Mooncake's client re-registers with the master on its next heartbeat
+                if self._closed.wait(1.0):  # Mooncake's client re-registers on its next heartbeat; a close ends it
+                    return
                 try:
                     self._check_marker(self._client)
                 except StoreRefused as exc:
