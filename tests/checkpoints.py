@@ -130,7 +130,7 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_p
 
 def install_reference_processor(folder: Path, family: str) -> dict:
     """Replace the folder's processor configs with the ones the family's full processor saved in
-    `scripts/reference_prefill_counts.py`; returns that family's recorded placeholder counts."""
+    `tools/reference/reference_prefill_counts.py`; returns that family's recorded placeholder counts."""
     import json
 
     entry = json.loads(PREFILL_REFERENCE.read_text())[family]

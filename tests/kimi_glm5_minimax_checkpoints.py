@@ -8,7 +8,7 @@ word-level `tokenizers` models built offline, each family's media tokens registe
 the full `transformers` processors (torchvision-backed for these three) insert their real placeholders.
 
 Importable without the project's test helpers (only numpy, PIL, tokenizers, torch and transformers), so
-`scripts/sglang_compat.py` can build the same folders in the side venv.
+`tools/compat/sglang_compat.py` can build the same folders in the side venv.
 """
 
 from __future__ import annotations

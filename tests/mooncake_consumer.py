@@ -8,7 +8,7 @@ Faults on demand: `ttl_s` (a reservation not completed by then expires, as vLLM'
 `python -m tests.mooncake_consumer PORT --die-after-reserve` (answers the first reservation, then the
 process exits before any write can land).
 
-vLLM's own consumer (scheduler and worker roles) is driven by `scripts/vllm_compat.py`.
+vLLM's own consumer (scheduler and worker roles) is driven by `tools/compat/vllm_compat.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tiny full Qwen2.5-Omni and Qwen3-Omni checkpoints (thinker with its language model, processor, tokenizer),
 saved with `save_pretrained`, and the media the Omni tests use.
 
-Importable in the project's venv and in the side venv that runs SGLang (`scripts/sglang_compat.py`): it
+Importable in the project's venv and in the side venv that runs SGLang (`tools/compat/sglang_compat.py`): it
 needs only numpy, PIL, tokenizers, torch and transformers. The full processors need torchvision (their
 video processor), which both venvs have.
 

@@ -9,8 +9,8 @@ text survives encoding and decoding exactly (Qwen3-VL's `<t seconds>` before eac
 a video, for one), and its special tokens are single ids. The config's special token ids are the
 tokenizer's, since SGLang's language side reads them from the config.
 
-Importable from the project's venv and from the side venv that `scripts/sglang_compat.sh` builds
-(`scripts/sglang_compat.py` uses these folders); running the video processors needs torchvision.
+Importable from the project's venv and from the side venv that `tools/compat/sglang_compat.sh` builds
+(`tools/compat/sglang_compat.py` uses these folders); running the video processors needs torchvision.
 """
 
 from __future__ import annotations

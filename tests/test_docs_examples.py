@@ -3,9 +3,9 @@
 - The README's curl example and the receiver example of docs/DEPLOYMENT.md ("Routers and prefill nodes")
   are taken from the docs by their `<!-- example: NAME -->` markers and run as they are against a real
   server on loopback (only its port substituted for 30000); their output matches what the docs show.
-- Every other command the docs print (`encode-server`, `encode-bench`, `python -m ...`, `python scripts/...`,
-  `bash scripts/...`) names a program that exists, and every flag it passes is one that program accepts
-  (its `--help`). Commands of other projects (SGLang, pip, docker, kubectl, curl) are left out.
+- Every other command the docs print (`encode-server`, `encode-bench`, `python -m ...`, `python` or `bash` with a
+  script under `scripts/`, `tools/` or `benchmarks/`) names a program that exists, and every flag it passes is one
+  that program accepts (its `--help`). Commands of other projects (SGLang, pip, docker, kubectl, curl) are left out.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def test_deployment_receiver_example_runs_as_printed(server, tmp_path):
 
 #: The programs of this project a documented command may start with.
 OURS = ("encode-server", "encode-bench", "python", "bash")
+#: The folders of this project's runnable scripts.
+SCRIPT_FOLDERS = ("scripts/", "tools/", "benchmarks/")
 #: Modules run with `python -m` that belong to other projects.
 FOREIGN_MODULES = ("sglang.",)
 
@@ -102,11 +104,11 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 continue
             if argv[0] == "python" and argv[1] == "-m" and (len(argv) < 3 or argv[2].startswith(FOREIGN_MODULES)):
                 continue
-            if argv[0] == "python" and not (argv[1] == "-m" or argv[1].startswith("scripts/")):
+            if argv[0] == "python" and not (argv[1] == "-m" or argv[1].startswith(SCRIPT_FOLDERS)):
                 continue  # `python prefill_demo.py`: the receiver example, run above
-            if argv[0] == "bash" and not argv[1].startswith("scripts/"):
+            if argv[0] == "bash" and not argv[1].startswith(SCRIPT_FOLDERS):
                 continue
-            if "..." in argv:  # `python scripts/bench.py ...`: "the same program", not a command line
+            if "..." in argv:  # `python -m encode_server.bench ...`: "the same program", not a command line
                 argv = argv[: argv.index("...")]
             found.append((path.name, argv))
     return found

@@ -8,7 +8,7 @@
    `Glm4vProcessor` puts into `input_ids` for it (a video's frames are filled with image tokens);
    and a video's pixels equal those of `transformers`' own (torchvision) video processor. Both
    need torchvision, which this venv lacks, so they were computed by
-   `scripts/processor_reference.py` on the same folders and media
+   `tools/reference/processor_reference.py` on the same folders and media
    (`tests/data/processor_reference.json`).
 """
 

@@ -80,7 +80,7 @@ def test_videos_alone_and_fused_match_get_video_features(ckpt, adapter):
 def test_rows_equal_the_placeholders_the_full_processor_inserts(ckpt, tmp_path):
     # Counts from Qwen2VLProcessor (AutoProcessor.from_pretrained of this checkpoint saved with its full
     # processor and a tiny tokenizer; the video processor caps pixels per frame), recorded by
-    # scripts/reference_prefill_counts.py because that processor needs torchvision.
+    # tools/reference/reference_prefill_counts.py because that processor needs torchvision.
     folder = shutil.copytree(ckpt[2], tmp_path / "with_full_processor")
     reference = install_reference_processor(folder, "qwen2_vl")
     assert list(reference["files"]) == ["processor_config.json"]  # nested image and video processors

@@ -6,7 +6,7 @@
 2. The prefill side's count: an item's rows equal the number of placeholder tokens the family's
    full processor (`AutoProcessor.from_pretrained(folder)`) puts into `input_ids`; and a video's
    pixels equal those of `transformers`' own (torchvision) video processor. Both need torchvision,
-   which this venv lacks, so they were computed by `scripts/processor_reference.py` on the same
+   which this venv lacks, so they were computed by `tools/reference/processor_reference.py` on the same
    folders and media and committed in `tests/data/processor_reference.json`.
 """
 

@@ -1,6 +1,6 @@
-"""Models served by the generic path, built as the model zoo builds them (`scripts/zoo/build.py`: a shrunk config,
+"""Models served by the generic path, built as the model zoo builds them (`tools/zoo/build.py`: a shrunk config,
 `save_pretrained`, the processor with an offline tokenizer) and compared with the zoo's reference (the full
-model's `inputs_embeds` at the placeholder positions, `scripts/zoo/compare.py`):
+model's `inputs_embeds` at the placeholder positions, `tools/zoo/compare.py`):
 
 - audio-only models (Qwen3-ASR, GLM-ASR, Voxtral) served by the real server become healthy (the health probe
   and the preprocessing workers' warm-up send a sample clip, not an image) and answer each clip with the model's
@@ -31,7 +31,7 @@ CPU, F32 = torch.device("cpu"), torch.float32
 
 def zoo_folder(model_type: str, root: Path) -> tuple[Path, dict]:
     """The zoo's tiny checkpoint of this type, and its manifest (the placeholder token and its id)."""
-    from scripts.zoo.build import build
+    from tools.zoo.build import build
 
     folder = root / model_type
     return folder, build(model_type, folder)
@@ -42,7 +42,7 @@ def zoo_reference(folder: Path, manifest: dict, modality: str, items: list) -> l
     import transformers
     from transformers import AutoProcessor
 
-    from scripts.zoo.compare import load_reference_model, reference_all, sampling_rate
+    from tools.zoo.compare import load_reference_model, reference_all, sampling_rate
 
     model = load_reference_model(getattr(transformers, manifest["model_class"]), folder)
     processor = AutoProcessor.from_pretrained(folder)
@@ -64,7 +64,7 @@ def test_an_audio_only_model_becomes_healthy_and_serves_the_models_rows(model_ty
     audio tokens and pads each clip to 30 s: 375 rows); the others in a prompt holding their placeholder."""
     from transformers import AutoProcessor
 
-    from scripts.zoo.compare import sample_audio, sampling_rate
+    from tools.zoo.compare import sample_audio, sampling_rate
 
     if model_type == "voxtral":
         pytest.importorskip("mistral_common", reason="Voxtral's tokenizer is mistral_common's (the test extra)")
@@ -104,7 +104,7 @@ def hunyuan_vl(tmp_path_factory) -> tuple[Path, dict]:
 def test_hunyuan_vl_is_served_with_its_framed_placeholder_exactly(hunyuan_vl):
     """A folder without a chat template: the processor refuses the bare token, so the probe takes the form its
     error names."""
-    from scripts.zoo.compare import sample_images
+    from tools.zoo.compare import sample_images
 
     folder, manifest = hunyuan_vl
     images = sample_images()

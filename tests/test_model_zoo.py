@@ -1,4 +1,4 @@
-"""`scripts/model_zoo.py` still builds tiny checkpoints, runs the server's loader on them and reports each pair:
+"""`tools/zoo/run.py` still builds tiny checkpoints, runs the server's loader on them and reports each pair:
 LLaVA served exactly, BLIP not applicable (cross-attention), and a type the server may refuse reported with the
 refusal's own message, never as wrong or error."""
 
@@ -16,7 +16,7 @@ from .helpers import ROOT
 @pytest.mark.slow  # builds and runs three tiny models in subprocesses (about a minute on 2 cores)
 def test_model_zoo_reports_served_refused_and_not_applicable_types(tmp_path):
     out = tmp_path / "zoo.json"
-    done = subprocess.run([sys.executable, "-m", "scripts.model_zoo", "--work", str(tmp_path / "work"),
+    done = subprocess.run([sys.executable, "-m", "tools.zoo", "--work", str(tmp_path / "work"),
                            "--only", "llava,blip,idefics2", "--markdown", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -33,7 +33,7 @@ def test_model_zoo_reports_served_refused_and_not_applicable_types(tmp_path):
 
 
 def test_summary_counts_pairs_by_modality():
-    from scripts.model_zoo import summary
+    from tools.zoo.run import summary
 
     rows = [{"model_type": "a", "modality": "image", "result": "exact", "detail": ""},
             {"model_type": "b", "modality": "audio", "result": "refused", "detail": ""},
@@ -47,7 +47,7 @@ def test_summary_counts_pairs_by_modality():
 
 
 def test_the_combined_table_has_a_result_column_per_environment_and_each_ones_summary():
-    from scripts.model_zoo import combined_markdown
+    from tools.zoo.run import combined_markdown
 
     report = {"with torchvision": [{"model_type": "a", "modality": "image", "result": "exact", "detail": "rows [4]"},
                                    {"model_type": "b", "modality": "video", "result": "exact", "detail": "rows [8]"}],

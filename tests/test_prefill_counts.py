@@ -3,7 +3,7 @@
 
 That is the number the prefill node splices rows into. The full processors of qwen2_5_vl and
 internvl hold a video processor that needs torchvision, absent here, so their counts (and the
-processor configs they saved) were recorded by `scripts/reference_prefill_counts.py` in
+processor configs they saved) were recorded by `tools/reference/reference_prefill_counts.py` in
 `tests/data/prefill_reference.json`; qwen2_audio's full processor runs here, live. (qwen2_vl's
 count is in tests/test_family_qwen2_vl.py.)
 """

@@ -6,7 +6,7 @@ its extra fields (`encoder_idx`, `encoder_url`, `time_stats_json`, `modality` in
 
 Frame 0 is read with the restricted stand-in unpickler of tests/test_sglang_wire.py and compared with
 what `SglangFrames` writes for the same values (itself byte-identical to SGLang's own pickles there).
-The real SGLang receiver is exercised by scripts/sglang_compat.py (not in CI: it needs SGLang).
+The real SGLang receiver is exercised by tools/compat/sglang_compat.py (not in CI: it needs SGLang).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ landing buffer with a real Mooncake TransferEngine, `/send`, take the `Embedding
 PULL socket), on loopback: rows land bit-identical to the native `/encode` rows in every rank's buffer,
 sizes are published before the forward, and staged rows and registered bytes are freed after
 `receive_count` sends, a timeout, or a failure. SGLang's own receiver is driven by
-`scripts/sglang_transport_compat.py`."""
+`tools/compat/sglang_transport_compat.py`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""scripts/sglang_compat.py reports a step as "SGLang-side" only when SGLang's processor read an attribute that
+"""tools/compat/sglang_compat.py reports a step as "SGLang-side" only when SGLang's processor read an attribute that
 none of its classes defines or sets (no checkpoint could provide it); every other failure stays a failure."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.sglang_compat import sglang_missing_attribute
+from tools.compat.sglang_compat import sglang_missing_attribute
 
 
 class SharedBase:

@@ -4,8 +4,8 @@ pickles, without SGLang installed.
 The golden frames in tests/golden/ were pickled by real SGLang (0.5.21 and 0.5.23) from its own
 `EmbeddingData`, the way its encoder server does it; `tests/golden/sglang_frames.json` holds their
 inputs. To regenerate them (and to check that real SGLang unpickles our frames into its classes),
-build the side venv with `scripts/sglang_compat.sh` and run `scripts/sglang_golden.py generate` and
-`scripts/sglang_golden.py check` as its docstring says.
+build the side venv with `tools/compat/sglang_compat.sh` and run `tools/reference/sglang_golden.py generate` and
+`tools/reference/sglang_golden.py check` as its docstring says.
 
 Two things in a pickled tensor are not ours to fix: torch names a tensor's storage after its memory
 address, so `canonical` below replaces that key (and the lengths that contain it) before comparing.

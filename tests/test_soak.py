@@ -1,13 +1,13 @@
 """Resident memory under a steady mix for 10 minutes, and after a burst of large images.
 
-Slow (about 13 minutes on this machine): run with `-m slow`. It drives `scripts/rss_soak.py`.
+Slow (about 13 minutes on this machine): run with `-m slow`. It drives `benchmarks/rss_soak.py`.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from scripts import rss_soak
+from benchmarks import rss_soak
 
 
 @pytest.mark.slow

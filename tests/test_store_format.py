@@ -213,7 +213,7 @@ def test_the_dashboard_reads_only_series_the_tier_exports():
 def test_the_pool_simulation_counts_what_a_shared_tier_saves():
     import numpy as np
 
-    from scripts.store_pool_sim import simulate
+    from benchmarks.store_pool_sim import simulate
 
     stream = np.array([1, 2, 1, 2, 3, 1, 2, 3] * 50)
     per_pod = simulate(stream, pods=4, local=8, store=None, window=10)

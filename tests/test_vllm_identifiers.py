@@ -1,6 +1,6 @@
 """vLLM's item identifiers and decoded pixels, against what vLLM 0.33.0 itself computed.
 
-`tests/golden/vllm-0.33.0-identifiers.json` was written by `scripts/vllm_golden.py generate` (vLLM's
+`tests/golden/vllm-0.33.0-identifiers.json` was written by `tools/reference/vllm_golden.py generate` (vLLM's
 `ImageMediaIO.load_bytes` and `ProcessorInputs.get_mm_hashes`) for the tiny images in
 `tests/golden/vllm-images/`: one per decode path (RGB, transparent RGBA, palette with tRNS, grayscale,
 EXIF-rotated JPEG, CMYK JPEG); and for the clips in `vllm-videos/` (each through every video loader the
@@ -220,7 +220,7 @@ def resampler():
 # float64, within float32 rounding), and its identifiers against vLLM's framing of these very samples
 # (`helpers.vllm_audio_hash`); the framing itself is checked bit for bit against vLLM's own identifiers on the clip
 # vLLM does not resample. vLLM's own parser and hasher on the machine itself (torchaudio included) are run against
-# the server by scripts/vllm_compat.py.
+# the server by tools/compat/vllm_compat.py.
 
 
 def band_limited_resample(samples: np.ndarray, orig: int, new: int, rolloff: float = 0.99, zeros: int = 6):

@@ -2,7 +2,7 @@
 control protocol over a real Mooncake TransferEngine on loopback (`tests/mooncake_consumer.py`): rows land
 bit-identical to the native `/encode` rows on every consumer rank, and nothing stays registered or
 reserved after success, refusals, an expired reservation or a consumer that dies. vLLM's own consumer
-code is driven by `scripts/vllm_compat.py`."""
+code is driven by `tools/compat/vllm_compat.py`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The vLLM producer end to end (`--ec-storage`): `POST /v1/chat/completions` as vLLM's EPD proxy sends it,
 against a real server on loopback. What vLLM itself computes is checked in `tests/test_vllm_identifiers.py`
-(identifiers, pixels) and by `scripts/vllm_compat.py` (vLLM's consumer loading what we wrote)."""
+(identifiers, pixels) and by `tools/compat/vllm_compat.py` (vLLM's consumer loading what we wrote)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 saving a model with its processor.
 
 Importable without the project's test helpers (only numpy, PIL, tokenizers and transformers), like the checkpoint
-modules that use it, so `scripts/sglang_compat.py` can build the same folders in the side venv.
+modules that use it, so `tools/compat/sglang_compat.py` can build the same folders in the side venv.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tiny Qwen3-VL / Qwen3.5 / GLM-4V checkpoint folders and media, shared by the tests and the reference script.
 
 Importable in both the project's venv and the side venv that has torchvision (it needs only
-numpy, PIL, tokenizers and transformers), so that `scripts/processor_reference.py` can run the
+numpy, PIL, tokenizers and transformers), so that `tools/reference/processor_reference.py` can run the
 families' full `transformers` processors (which need torchvision) on exactly the folders and media
 the tests use, and commit what they produce to `tests/data/processor_reference.json`.
 

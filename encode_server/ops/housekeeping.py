@@ -1,7 +1,7 @@
 """Keep the process's memory and pauses in check: glibc arenas, heap trimming, and when Python's full
 garbage collections run (glibc parts are no-ops elsewhere).
 
-What was measured with `scripts/rss_soak.py` and `scripts/loop_lag.py`:
+What was measured with `benchmarks/rss_soak.py` and `benchmarks/loop_lag.py`:
 
 - Every thread that allocates (media decoding, the processor, the forward, torch's pool, libzmq)
   gets a glibc malloc arena, and glibc keeps an arena's freed memory for reuse instead of returning

@@ -9,7 +9,7 @@ processor on the GPU and everything else (Qwen's video path asks for numpy) to t
 
 Decoding stays on the CPU; the pool of preprocessing processes is not used with it (the GPU work is
 one batched call per batch in the server process). Parity with the PIL path (token counts identical,
-pixel values within a stated tolerance) is checked by `scripts/gpu_preprocess_parity.py`.
+pixel values within a stated tolerance) is checked by `tools/reference/gpu_preprocess_parity.py`.
 """
 
 from __future__ import annotations
