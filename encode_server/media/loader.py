@@ -167,10 +167,10 @@ class LoadedItem:
 
 
 #: Inline images (base64 or data URIs) up to this many characters are decoded on the event loop: for a
-#: small image the hop to a decode thread and back costs about as much as decoding it (a 56x56 PNG:
-#: ~0.1 ms), and at high concurrency the hops contend for the GIL with the loop. Up to 32 KiB of
-#: base64 is at most ~24 KiB of file, and only images of at most INLINE_DECODE_PIXELS (by their header)
-#: are decoded there: a small file of a large flat image still goes to a thread.
+#: small image the hop to a decode thread and back costs about as much as decoding it, and at high
+#: concurrency the hops contend for the GIL with the loop. Up to 32 KiB of base64 is at most ~24 KiB of
+#: file, and only images of at most INLINE_DECODE_PIXELS (by their header) are decoded there: a small
+#: file of a large flat image still goes to a thread.
 INLINE_DECODE_CHARS = 32 * 1024
 INLINE_DECODE_PIXELS = 256 * 256
 

@@ -1,21 +1,16 @@
 """Keep the process's memory and pauses in check: glibc arenas, heap trimming, and when Python's full
 garbage collections run (glibc parts are no-ops elsewhere).
 
-What was measured with `benchmarks/rss_soak.py` and `benchmarks/loop_lag.py`:
+- glibc keeps each allocating thread's freed memory in that thread's arena, so a burst of large images
+  would leave the process larger for good: `limit_arenas(n)` caps the arenas at start-up
+  (`mallopt(M_ARENA_MAX)`) and `trim()` returns free pages to the system (`malloc_trim(0)`).
+- A full (generation 2) collection holds the GIL for tens of milliseconds with thousands of requests in
+  flight: `defer_full_collections()` leaves young collections automatic and the full ones to the
+  `Housekeeper`.
 
-- Every thread that allocates (media decoding, the processor, the forward, torch's pool, libzmq)
-  gets a glibc malloc arena, and glibc keeps an arena's freed memory for reuse instead of returning
-  it: after a burst of large images the process stayed hundreds of MiB larger for good.
-  `limit_arenas(n)` caps the arenas at start-up (`mallopt(M_ARENA_MAX)`), and `trim()` returns free
-  pages to the system (`malloc_trim(0)`, which `madvise`s away the free pages of every arena).
-- With 2,000 requests in flight, Python's automatic full (generation 2) collections took 40-120 ms
-  each, holding the GIL: the event loop stood still that long. `defer_full_collections()` leaves
-  young collections automatic and leaves the full ones to the `Housekeeper`.
-
-The `Housekeeper` thread runs both chores (a full collection, then a trim) when the server has gone
-idle after some work, and under unbroken load every `busy_interval_s`: a trim holds each arena's
-lock while it walks it (5-100 ms here) and a full collection holds the GIL, so neither should run
-in the middle of a burst when it can wait for a quiet moment.
+The `Housekeeper` thread runs both chores (a full collection, then a trim: each stalls other threads
+while it runs) when the server has gone idle after some work, and under unbroken load every
+`busy_interval_s`. docs/OPERATIONS.md ("Memory") has the measured effect.
 """
 
 from __future__ import annotations
@@ -71,9 +66,8 @@ def limit_arenas(count: int) -> bool:
 def prefer_huge_pages() -> None:
     """Let torch's CPU allocator ask for transparent huge pages for buffers of 2 MiB and more, unless the
     operator set `THP_MEM_ALLOC_ENABLE` (torch reads it at its first large allocation; processes started
-    later inherit it). A fresh 22 MB buffer of camera-image patches then takes 11 page faults instead of
-    about 5,400: a `torch.cat` of two camera images' patches took 56-78 ms with 4 KiB pages on this VM,
-    12-16 ms with huge pages (`/sys/kernel/mm/transparent_hugepage/enabled` must be `madvise` or `always`)."""
+    later inherit it): a fresh camera-sized buffer then costs a page fault per 2 MiB instead of per 4 KiB
+    (`/sys/kernel/mm/transparent_hugepage/enabled` must be `madvise` or `always`)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

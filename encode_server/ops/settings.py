@@ -469,8 +469,8 @@ class Settings:
 
     def cpu_threads_per_rank(self, ranks: int) -> int:
         """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or half
-        the cores by default (the rest is for the event loop, decoding and the processor; on 2 cores at
-        c=64 one thread gave 503 req/s against 349 with two, as OpenMP threads spin and starve the rest)."""
+        the cores by default: the rest is for the event loop, decoding and the processor, which OpenMP threads
+        spinning between ops would starve."""
         threads = self.cpu_threads or max(1, (os.cpu_count() or 2) // 2)
         return max(1, threads // ranks)
 

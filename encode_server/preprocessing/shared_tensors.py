@@ -8,9 +8,8 @@ Two kinds of file:
 - a one-off block (`export_tensors` / `import_tensors`): written once, freed when the last view is;
 - a reusable slot (`SlotWriter` / `SlotReader`): a worker keeps a few slots mapped, the reader maps
   each once, and the writer reuses a slot once the reader released it. A fresh block costs a page
-  allocation per 4 KiB on both sides (about 17 ms to write and 5 ms to map a camera image's 22 MB
-  here); a reused slot costs one memory copy, and none when the processor wrote its output straight
-  into the slot (`SlotWriter.reserve`).
+  allocation per 4 KiB on both sides; a reused slot costs one memory copy, and none when the processor
+  wrote its output straight into the slot (`SlotWriter.reserve`).
 """
 
 from __future__ import annotations
