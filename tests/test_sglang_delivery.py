@@ -1,4 +1,4 @@
-"""`--wire-format sglang` end to end (docs/CONTRACT.md section 5): a real server, plain pyzmq PULL
+"""`--wire-format sglang` end to end (docs/CONTRACT.md section 3): a real server, plain pyzmq PULL
 sockets standing in for SGLang's prefill side, and SGLang's request forms: the `zmq_to_tokenizer` form
 (`prefill_host` + an int `embedding_port`), the `zmq_to_scheduler` form (`prefill_host` with
 `"embedding_port": null`, its ranks registering `host:port` / `[v6]:port` with `receive_count`), and

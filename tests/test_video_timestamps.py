@@ -1,6 +1,6 @@
 """Video timestamps: the seconds of each temporal patch, as the model's own processor puts them into the prompt
 (Qwen3-VL / Qwen3.5: `<t seconds>`; MiniMax-M3 VL: `]<]t seconds[>[`), for the frames this server samples
-(docs/CONTRACT.md section 5).
+(docs/CONTRACT.md, section 2, "Response items").
 
 1. The rules: golden values, and equality with `transformers`' `Qwen3VLProcessor` itself (the prompt text it
    writes, and the exact floats of the function it writes them from) and `MiniMaxM3VLProcessor` (the text of
