@@ -1,6 +1,6 @@
-"""`tools/zoo/run.py` still builds tiny checkpoints, runs the server's loader on them and reports each pair:
-LLaVA served exactly, BLIP not applicable (cross-attention), and a type the server may refuse reported with the
-refusal's own message, never as wrong or error."""
+"""The model zoo (`python -m tools.zoo`) still builds tiny checkpoints, runs the server's loader on them and reports
+each pair: LLaVA served exactly, BLIP not applicable (cross-attention), and a type the server may refuse reported
+with the refusal's own message, never as wrong or error."""
 
 from __future__ import annotations
 
