@@ -31,7 +31,6 @@ from encode_server.cache.store_client import StoreConnection, check_installed
 from encode_server.cache.store_tier import StoreTier, native_namespace, row_widths, store_config
 from encode_server.delivery.destinations import Delivery
 from encode_server.delivery.formats import wire_format
-from encode_server.delivery.sglang_registry import SglangRegistry
 from encode_server.delivery.sockets import EmbeddingSender, check_endpoint
 from encode_server.engine import EncoderEngine
 from encode_server.media.decoding import MediaError, MediaLimits
@@ -39,7 +38,6 @@ from encode_server.media.loader import LoadedItem, MediaLoader, parse_item
 from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from encode_server.ops.health import HealthProbe
 from encode_server.ops.metrics import ServerMetrics
-from encode_server.ops.setting_values import advertised_url, registry_urls
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import DataParallelReplicas, WorkerGroup
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta
@@ -160,12 +158,11 @@ class EncoderService:
         self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
-        self.registry = SglangRegistry(registry_urls(settings.register_with),
-                                       advertised_url(settings.host, settings.port, settings.advertise_url)
-                                       ) if settings.register_with else None
-        self._withdrawal: asyncio.Task | None = None
-        # A transport whose receivers pull staged rows (SGLang's mooncake backend, `fronts.sglang_mooncake`):
-        # `publish(meta, layouts)`, `stage(meta, part) -> response fields`, `fail(meta, error)`. None: delivered.
+        # Called once when draining begins (`on_drain`): fronts that announced this server withdraw it.
+        self._drain_listeners: list[Callable[[], None]] = []
+        self._drain_told = False
+        # Set by a front whose receivers pull staged rows instead of being delivered to: `publish(meta,
+        # layouts)`, `stage(meta, part) -> response fields`, `fail(meta, error)`. None: delivered.
         self.stager: Any = None
 
     def _build_scheduler(self) -> EncoderScheduler:
@@ -206,12 +203,8 @@ class EncoderService:
         self._loop_lag["http"].start()
         self.scheduler.call(self._loop_lag["scheduler"].start).result()  # on its loop (this one, without a thread)
         self.health.verdict()  # the first probe starts now, in the background
-        if self.registry is not None:
-            self.registry.start()
 
     async def stop(self) -> None:
-        if self.registry is not None:
-            await (self._withdrawal or self.registry.withdraw())
         self._loop_lag["http"].stop()
         await self.scheduler.run(self._loop_lag["scheduler"].stop)
         await self.health.close()
@@ -260,7 +253,7 @@ class EncoderService:
     async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
         """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
         like any `/encode` request (batched with them), and return their rows instead of delivering them:
-        the entry point of producers that store rows themselves (the vLLM producer). `EncodeError` on failure."""
+        the entry point of producers that store rows themselves (the vLLM front). `EncodeError` on failure."""
         request = EncodeRequest(req_id=req_id, modality=modality, mm_items=items, priority=priority)
         meta = PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality)
         with self.admission.admit(request) as ticket:
@@ -403,12 +396,18 @@ class EncoderService:
         self.metrics.healthy.set(1 if verdict[0] else 0)
         return verdict
 
+    def on_drain(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on this loop) as soon as draining begins, e.g. to withdraw from a registry."""
+        self._drain_listeners.append(listener)
+
     def begin_drain(self) -> None:
-        """Stop admitting: new requests and /health get 503; those in flight go on. SGLang registries
-        (`--register-with`) are told at once, so they stop dispatching here."""
+        """Stop admitting: new requests and /health get 503; those in flight go on. The drain listeners are
+        told at once (a registry then stops dispatching here)."""
         self.admission.begin_drain()
-        if self.registry is not None and self._withdrawal is None:
-            self._withdrawal = asyncio.get_running_loop().create_task(self.registry.withdraw())
+        if not self._drain_told:
+            self._drain_told = True
+            for listener in self._drain_listeners:
+                listener()
 
     async def wait_drained(self, timeout: float) -> bool:
         """True when every admitted request has left within `timeout` seconds."""
