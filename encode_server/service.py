@@ -16,8 +16,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -52,6 +52,8 @@ from processors import EncoderAdapter, ItemLayout
 from processors.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("encode_server.service")
+
+T = TypeVar("T")
 
 #: The `req_id` of health probes.
 PROBE_REQ_ID = "__health_probe__"
@@ -225,30 +227,13 @@ class EncoderService:
     async def encode(self, payload: Any) -> dict[str, Any]:
         """Answer one `/encode` body (already JSON-decoded). Raises `EncodeError` for any failure."""
         request, meta, endpoints = self.admission.validate(payload)
-        with self.admission.admit(request) as ticket:
-            try:
-                part, response = await asyncio.wait_for(self._serve(request, meta, endpoints, ticket.deadline),
-                                                        ticket.timeout_s)
-            except asyncio.TimeoutError:
-                ticket.status = "504"
-                error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s (the request's timeout_s, "
-                                         f"at most --req-timeout-s)", request.req_id)
+
+        def tell_destinations(error: EncodeError) -> None:
+            if error.status != 502:  # 502: they could not be reached
                 self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
-                raise error from None
-            except EncodeError as error:
-                if error.status == 500 and self.admission.broken:
-                    error = EncodeError(503, self.admission.broken, request.req_id, headers={"Retry-After": "5"})
-                ticket.status = str(error.status)
-                if error.status != 502:
-                    self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
-                raise error from None
-            except asyncio.CancelledError:
-                ticket.status = "cancelled"
-                raise
-            ticket.status = "200"
-            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
-                                            sum(part.cached))
-            return response
+
+        return await self._admitted(request, lambda deadline: self._serve(request, meta, endpoints, deadline),
+                                    tell_destinations, " (the request's timeout_s, at most --req-timeout-s)")
 
     async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
         """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
@@ -256,25 +241,40 @@ class EncoderService:
         the entry point of producers that store rows themselves (the vLLM front). `EncodeError` on failure."""
         request = EncodeRequest(req_id=req_id, modality=modality, mm_items=items, priority=priority)
         meta = PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality)
+
+        async def rows(deadline: float) -> tuple[EncodedPart, EncodedPart]:
+            part = await self._encode_items(meta, items, deadline, priority=priority)
+            return part, part
+
+        return await self._admitted(request, rows)
+
+    async def _admitted(self, request: EncodeRequest, work: Callable[[float], Awaitable[tuple[EncodedPart, T]]],
+                        on_failure: Callable[[EncodeError], None] | None = None, timeout_hint: str = "") -> T:
+        """Run `work(deadline)` for an admitted request within its timeout, and return its answer. Its ticket
+        records how it ended; a timeout is a 504, a 500 while a rank is down a 503; `on_failure` is told of
+        every failure but a cancellation (the client went away)."""
         with self.admission.admit(request) as ticket:
             try:
-                part = await asyncio.wait_for(self._encode_items(meta, items, ticket.deadline, priority=priority),
-                                              ticket.timeout_s)
+                part, answer = await asyncio.wait_for(work(ticket.deadline), ticket.timeout_s)
             except asyncio.TimeoutError:
-                ticket.status = "504"
-                raise EncodeError(504, f"request timed out after {ticket.timeout_s:g} s", req_id) from None
-            except EncodeError as error:
+                error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s{timeout_hint}",
+                                    request.req_id)
+            except EncodeError as exc:
+                error = exc
                 if error.status == 500 and self.admission.broken:
-                    error = EncodeError(503, self.admission.broken, req_id, headers={"Retry-After": "5"})
-                ticket.status = str(error.status)
-                raise error from None
+                    error = EncodeError(503, self.admission.broken, request.req_id, headers={"Retry-After": "5"})
             except asyncio.CancelledError:
                 ticket.status = "cancelled"
                 raise
-            ticket.status = "200"
-            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
-                                            sum(part.cached))
-            return part
+            else:
+                ticket.status = "200"
+                self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size,
+                                                len(part.layouts), sum(part.cached))
+                return answer
+            ticket.status = str(error.status)
+            if on_failure is not None:
+                on_failure(error)
+            raise error from None
 
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
