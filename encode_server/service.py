@@ -16,8 +16,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -31,7 +31,6 @@ from encode_server.cache.store_client import StoreConnection, check_installed
 from encode_server.cache.store_tier import StoreTier, native_namespace, row_widths, store_config
 from encode_server.delivery.destinations import Delivery
 from encode_server.delivery.formats import wire_format
-from encode_server.delivery.sglang_registry import SglangRegistry
 from encode_server.delivery.sockets import EmbeddingSender, check_endpoint
 from encode_server.engine import EncoderEngine
 from encode_server.media.decoding import MediaError, MediaLimits
@@ -39,7 +38,6 @@ from encode_server.media.loader import LoadedItem, MediaLoader, parse_item
 from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from encode_server.ops.health import HealthProbe
 from encode_server.ops.metrics import ServerMetrics
-from encode_server.ops.setting_values import advertised_url, registry_urls
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import DataParallelReplicas, WorkerGroup
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta
@@ -54,6 +52,8 @@ from processors import EncoderAdapter, ItemLayout
 from processors.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("encode_server.service")
+
+T = TypeVar("T")
 
 #: The `req_id` of health probes.
 PROBE_REQ_ID = "__health_probe__"
@@ -160,12 +160,11 @@ class EncoderService:
         self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
                                  settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
         self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
-        self.registry = SglangRegistry(registry_urls(settings.register_with),
-                                       advertised_url(settings.host, settings.port, settings.advertise_url)
-                                       ) if settings.register_with else None
-        self._withdrawal: asyncio.Task | None = None
-        # A transport whose receivers pull staged rows (SGLang's mooncake backend, `fronts.sglang_mooncake`):
-        # `publish(meta, layouts)`, `stage(meta, part) -> response fields`, `fail(meta, error)`. None: delivered.
+        # Called once when draining begins (`on_drain`): fronts that announced this server withdraw it.
+        self._drain_listeners: list[Callable[[], None]] = []
+        self._drain_told = False
+        # Set by a front whose receivers pull staged rows instead of being delivered to: `publish(meta,
+        # layouts)`, `stage(meta, part) -> response fields`, `fail(meta, error)`. None: delivered.
         self.stager: Any = None
 
     def _build_scheduler(self) -> EncoderScheduler:
@@ -206,12 +205,8 @@ class EncoderService:
         self._loop_lag["http"].start()
         self.scheduler.call(self._loop_lag["scheduler"].start).result()  # on its loop (this one, without a thread)
         self.health.verdict()  # the first probe starts now, in the background
-        if self.registry is not None:
-            self.registry.start()
 
     async def stop(self) -> None:
-        if self.registry is not None:
-            await (self._withdrawal or self.registry.withdraw())
         self._loop_lag["http"].stop()
         await self.scheduler.run(self._loop_lag["scheduler"].stop)
         await self.health.close()
@@ -232,56 +227,54 @@ class EncoderService:
     async def encode(self, payload: Any) -> dict[str, Any]:
         """Answer one `/encode` body (already JSON-decoded). Raises `EncodeError` for any failure."""
         request, meta, endpoints = self.admission.validate(payload)
-        with self.admission.admit(request) as ticket:
-            try:
-                part, response = await asyncio.wait_for(self._serve(request, meta, endpoints, ticket.deadline),
-                                                        ticket.timeout_s)
-            except asyncio.TimeoutError:
-                ticket.status = "504"
-                error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s (the request's timeout_s, "
-                                         f"at most --req-timeout-s)", request.req_id)
+
+        def tell_destinations(error: EncodeError) -> None:
+            if error.status != 502:  # 502: they could not be reached
                 self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
-                raise error from None
-            except EncodeError as error:
-                if error.status == 500 and self.admission.broken:
-                    error = EncodeError(503, self.admission.broken, request.req_id, headers={"Retry-After": "5"})
-                ticket.status = str(error.status)
-                if error.status != 502:
-                    self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
-                raise error from None
-            except asyncio.CancelledError:
-                ticket.status = "cancelled"
-                raise
-            ticket.status = "200"
-            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
-                                            sum(part.cached))
-            return response
+
+        return await self._admitted(request, lambda deadline: self._serve(request, meta, endpoints, deadline),
+                                    tell_destinations, " (the request's timeout_s, at most --req-timeout-s)")
 
     async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
         """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
         like any `/encode` request (batched with them), and return their rows instead of delivering them:
-        the entry point of producers that store rows themselves (the vLLM producer). `EncodeError` on failure."""
+        the entry point of producers that store rows themselves (the vLLM front). `EncodeError` on failure."""
         request = EncodeRequest(req_id=req_id, modality=modality, mm_items=items, priority=priority)
         meta = PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality)
+
+        async def rows(deadline: float) -> tuple[EncodedPart, EncodedPart]:
+            part = await self._encode_items(meta, items, deadline, priority=priority)
+            return part, part
+
+        return await self._admitted(request, rows)
+
+    async def _admitted(self, request: EncodeRequest, work: Callable[[float], Awaitable[tuple[EncodedPart, T]]],
+                        on_failure: Callable[[EncodeError], None] | None = None, timeout_hint: str = "") -> T:
+        """Run `work(deadline)` for an admitted request within its timeout, and return its answer. Its ticket
+        records how it ended; a timeout is a 504, a 500 while a rank is down a 503; `on_failure` is told of
+        every failure but a cancellation (the client went away)."""
         with self.admission.admit(request) as ticket:
             try:
-                part = await asyncio.wait_for(self._encode_items(meta, items, ticket.deadline, priority=priority),
-                                              ticket.timeout_s)
+                part, answer = await asyncio.wait_for(work(ticket.deadline), ticket.timeout_s)
             except asyncio.TimeoutError:
-                ticket.status = "504"
-                raise EncodeError(504, f"request timed out after {ticket.timeout_s:g} s", req_id) from None
-            except EncodeError as error:
+                error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s{timeout_hint}",
+                                    request.req_id)
+            except EncodeError as exc:
+                error = exc
                 if error.status == 500 and self.admission.broken:
-                    error = EncodeError(503, self.admission.broken, req_id, headers={"Retry-After": "5"})
-                ticket.status = str(error.status)
-                raise error from None
+                    error = EncodeError(503, self.admission.broken, request.req_id, headers={"Retry-After": "5"})
             except asyncio.CancelledError:
                 ticket.status = "cancelled"
                 raise
-            ticket.status = "200"
-            self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size, len(part.layouts),
-                                            sum(part.cached))
-            return part
+            else:
+                ticket.status = "200"
+                self.metrics.performance.record(self.clock.now() - ticket.started, part.batch_size,
+                                                len(part.layouts), sum(part.cached))
+                return answer
+            ticket.status = str(error.status)
+            if on_failure is not None:
+                on_failure(error)
+            raise error from None
 
     async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
                      deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
@@ -403,12 +396,18 @@ class EncoderService:
         self.metrics.healthy.set(1 if verdict[0] else 0)
         return verdict
 
+    def on_drain(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on this loop) as soon as draining begins, e.g. to withdraw from a registry."""
+        self._drain_listeners.append(listener)
+
     def begin_drain(self) -> None:
-        """Stop admitting: new requests and /health get 503; those in flight go on. SGLang registries
-        (`--register-with`) are told at once, so they stop dispatching here."""
+        """Stop admitting: new requests and /health get 503; those in flight go on. The drain listeners are
+        told at once (a registry then stops dispatching here)."""
         self.admission.begin_drain()
-        if self.registry is not None and self._withdrawal is None:
-            self._withdrawal = asyncio.get_running_loop().create_task(self.registry.withdraw())
+        if not self._drain_told:
+            self._drain_told = True
+            for listener in self._drain_listeners:
+                listener()
 
     async def wait_drained(self, timeout: float) -> bool:
         """True when every admitted request has left within `timeout` seconds."""

@@ -194,15 +194,13 @@ class InProcessServer(MetricsReader):
 
         from encode_server.http.app import create_app
         from encode_server.ops.settings import load_settings
-        from processors import load_adapter, resolve_model
+        from encode_server.runtime import load_encoder
 
         settings = load_settings(self.args, self.environ)
         if max(settings.tp_size, settings.dp_size) > 1 or settings.preprocess_workers != 0:
             raise ValueError("ranks and preprocessing workers are processes: use ServerProcess")
-        model = resolve_model(settings.model)
-        adapter = load_adapter(model, settings.device, settings.dtype,
-                               name=settings.model if model != settings.model else None)
-        config = uvicorn.Config(create_app(settings, adapter), host=settings.host, port=settings.port,
+        adapter, group = load_encoder(settings)
+        config = uvicorn.Config(create_app(settings, adapter, group), host=settings.host, port=settings.port,
                                 log_level=settings.log_level, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=settings.keep_alive_timeout_s)
         self.server = uvicorn.Server(config)

@@ -1,12 +1,12 @@
 """The media items of a chat-completions body, read as vLLM 0.33's chat parser reads them
-(`admission.chat.media_parts`): image, video and audio parts, typed or untyped with a uuid, and the
+(`fronts.vllm.chat.media_parts`): image, video and audio parts, typed or untyped with a uuid, and the
 refusals that name the part."""
 
 from __future__ import annotations
 
 import pytest
 
-from encode_server.admission.chat import ChatMediaPart, media_parts
+from encode_server.fronts.vllm.chat import ChatMediaPart, media_parts
 from encode_server.records import EncodeError
 
 pytestmark = pytest.mark.quick

@@ -1,4 +1,4 @@
-"""The vLLM EC storage (`delivery.ec_storage.ECStorage`): vLLM's layout, atomic writes, the bound and the
+"""The vLLM EC storage (`fronts.vllm.example_connector.ECStorage`): vLLM's layout, atomic writes, the bound and the
 minimum age, hits, and what is found at start-up. In-process, on a fake wall clock."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from encode_server.delivery.ec_storage import FILE_NAME, TENSOR_KEY, ECStorage, check_identifier
+from encode_server.fronts.vllm.example_connector import FILE_NAME, TENSOR_KEY, ECStorage, check_identifier
 
 pytestmark = pytest.mark.quick
 

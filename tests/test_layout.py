@@ -1,5 +1,6 @@
 """The package layout (docs/ARCHITECTURE.md): imports between `encode_server`'s packages go one way,
-downwards along the flow, with no cycle; every package says its job."""
+downwards along the flow, with no cycle; the shared pipeline imports no protocol front, and no front another;
+every package says its job."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import encode_server
 
 PACKAGE = Path(encode_server.__file__).parent
 
+#: The protocol fronts: each package under `encode_server/fronts/` is a room of its own.
+FRONTS = {"fronts.native", "fronts.sglang", "fronts.vllm"}
 #: Bottom to top. A module may import its own room and the rooms of lower layers only.
 LAYERS = [
     {"ops", "records"},
@@ -19,18 +22,25 @@ LAYERS = [
     {"preprocessing"},
     {"engine", "cache", "admission", "responses"},
     {"service"},
-    {"vllm_producer"},
-    {"fronts"},
+    {"fronts"},  # what every front shares: the `Front` shape, reading bodies
+    FRONTS,
+    {"runtime"},
     {"http", "receiver"},
     {"__main__"},
     {"bench"},
 ]
 LEVEL = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
+#: The shared pipeline: every room below the fronts, which serves all of them and names none.
+PIPELINE = {room for room, level in LEVEL.items() if level < LEVEL["fronts"]}
 
 
 def room_of(module: str) -> str:
-    """`encode_server.scheduling.policy` -> `scheduling`; `encode_server.service` -> `service`."""
-    return module.split(".")[1]
+    """`encode_server.scheduling.policy` -> `scheduling`; `encode_server.service` -> `service`;
+    `encode_server.fronts.vllm.producer` -> `fronts.vllm`; `encode_server.fronts.base` -> `fronts`."""
+    parts = module.split(".")
+    if parts[1] == "fronts" and len(parts) > 2 and (PACKAGE / "fronts" / parts[2]).is_dir():
+        return f"fronts.{parts[2]}"
+    return parts[1]
 
 
 def imports() -> dict[tuple[str, str], list[str]]:
@@ -56,7 +66,8 @@ def imports() -> dict[tuple[str, str], list[str]]:
 def test_every_module_is_in_a_room_of_the_layout():
     packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
     modules = {path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
-    rooms = packages | modules
+    fronts = {f"fronts.{path.parent.name}" for path in (PACKAGE / "fronts").glob("*/__init__.py")}
+    rooms = packages | modules | fronts
     assert rooms == set(LEVEL), "add the new room to LAYERS here and to docs/ARCHITECTURE.md"
 
 
@@ -70,7 +81,17 @@ def test_no_two_rooms_import_each_other():
     assert [(a, b) for a, b in itertools.combinations(sorted(LEVEL), 2) if (a, b) in edges and (b, a) in edges] == []
 
 
+def test_the_shared_pipeline_imports_no_front():
+    assert {edge: modules for edge, modules in imports().items()
+            if edge[0] in PIPELINE and edge[1].startswith("fronts")} == {}
+
+
+def test_no_front_imports_another():
+    assert {edge: modules for edge, modules in imports().items() if edge[0] in FRONTS and edge[1] in FRONTS} == {}
+
+
 def test_every_package_says_its_job():
-    for init in PACKAGE.glob("*/__init__.py"):
+    for init in [*PACKAGE.glob("*/__init__.py"), *PACKAGE.glob("fronts/*/__init__.py")]:
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and len(doc) > 40, f"{init.parent.name}/__init__.py needs a docstring: its job and its imports"
+        where = init.parent.relative_to(PACKAGE)
+        assert doc and len(doc) > 40, f"{where}/__init__.py needs a docstring: its job and its imports"

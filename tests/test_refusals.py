@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from encode_server.http.bodies import read_limited
+from encode_server.fronts.bodies import read_limited
 from encode_server.media.decoding import MediaError, decode_audio, decode_image
 from encode_server.media.url_guard import resolve_local_path
 from encode_server.records import EncodeError

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from encode_server.http.app import CLIENT_CLOSED, answer_encode
+from encode_server.fronts.native.routes import CLIENT_CLOSED, answer_encode
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService

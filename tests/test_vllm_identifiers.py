@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encode_server.delivery.vllm_hash import EncodedImage, hash_kwargs, image_identifier
+from encode_server.fronts.vllm.identifiers import EncodedImage, hash_kwargs, image_identifier
+from encode_server.fronts.vllm.images import data_url_payload, decode_vllm_image
 from encode_server.media.decoding import MediaError, decode_image
-from encode_server.media.vllm_images import data_url_payload, decode_vllm_image
 
 from .helpers import vllm_audio_hash
 
@@ -114,7 +114,7 @@ def test_formats_outside_vllms_allow_list_are_refused():
         decode_vllm_image(buffer.getvalue(), 10**8, "item")
 
 
-# --- videos and audio clips (`media.vllm_video`, `media.vllm_audio`) ------------------------------------
+# --- videos and audio clips (`fronts.vllm.video`, `fronts.vllm.audio`) ------------------------------------
 
 VIDEOS = sorted(REFERENCE["videos"])
 AUDIO = sorted(REFERENCE["audio"])
@@ -132,7 +132,7 @@ def test_the_golden_set_covers_every_video_loader_and_audio_path():
 
 
 def _video(name: str, loader: str):
-    from encode_server.media.vllm_video import decode_vllm_jpeg_frames, decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_jpeg_frames, decode_vllm_video
 
     data = (GOLDEN / "vllm-videos" / name).read_bytes()
     if loader == "jpeg_sequence":
@@ -152,7 +152,7 @@ def test_video_frames_and_metadata_are_vllms(name, loader):
 @pytest.mark.parametrize(("name", "loader"), VIDEO_CASES)
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256", "sha512"])
 def test_video_identifiers_are_vllms(name, loader, algorithm):
-    from encode_server.delivery.vllm_hash import EncodedVideo, video_identifier
+    from encode_server.fronts.vllm.identifiers import EncodedVideo, video_identifier
 
     video = _video(name, loader)
     item = EncodedVideo(video.original_bytes, video.frames, video.metadata)
@@ -162,7 +162,7 @@ def test_video_identifiers_are_vllms(name, loader, algorithm):
 
 
 def test_video_sampling_rules_follow_vllms_loaders():
-    from encode_server.media.vllm_video import frames_to_sample
+    from encode_server.fronts.vllm.video import frames_to_sample
 
     # Qwen2-VL: total / fps * 2, floored to even, at least 4 (a 451-frame clip's float32 tail clamped)
     assert frames_to_sample("qwen2_vl", 300, 30.0, 10.0) == list(range(0, 300, 15))
@@ -177,7 +177,7 @@ def test_video_sampling_rules_follow_vllms_loaders():
 
 
 def test_the_video_loader_follows_the_model_s_video_processor(tmp_path):
-    from encode_server.media.vllm_video import UnsupportedVideoLoader, loader_for, video_processor_name
+    from encode_server.fronts.vllm.video import UnsupportedVideoLoader, loader_for, video_processor_name
 
     assert video_processor_name(None, "qwen2_5_vl") == "Qwen2VLVideoProcessor"
     assert video_processor_name(None, "qwen3_vl") == "Qwen3VLVideoProcessor"
@@ -193,7 +193,7 @@ def test_the_video_loader_follows_the_model_s_video_processor(tmp_path):
 
 
 def test_broken_videos_are_media_errors_naming_the_item():
-    from encode_server.media.vllm_video import decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_video
 
     with pytest.raises(MediaError, match="item: not a decodable video"):
         decode_vllm_video(b"\x00\x00\x00\x18ftypmp42 not really", "qwen2_vl", 10**8, 100, "item")
@@ -206,7 +206,7 @@ def test_broken_videos_are_media_errors_naming_the_item():
 
 @pytest.fixture(scope="module")
 def resampler():
-    from encode_server.media.vllm_audio import Resampler
+    from encode_server.fronts.vllm.audio import Resampler
 
     pool = Resampler()
     yield pool
@@ -253,7 +253,7 @@ def float32_tolerance(magnitudes: np.ndarray, taps: int) -> float:
 
 
 def native_samples(name: str) -> tuple[np.ndarray, int]:
-    from encode_server.media.vllm_audio import decode_vllm_audio_native
+    from encode_server.fronts.vllm.audio import decode_vllm_audio_native
 
     return decode_vllm_audio_native((GOLDEN / "vllm-audio" / name).read_bytes(), 60.0, "item")
 
@@ -275,8 +275,8 @@ def test_the_framing_of_an_audio_array_is_vllms_bit_for_bit():
 
 @pytest.mark.parametrize("name", AUDIO)
 def test_audio_waveforms_and_identifiers_are_vllms(name, resampler):
-    from encode_server.delivery.vllm_hash import audio_identifier
-    from encode_server.media.vllm_audio import decode_vllm_audio
+    from encode_server.fronts.vllm.audio import decode_vllm_audio
+    from encode_server.fronts.vllm.identifiers import audio_identifier
 
     expected = REFERENCE["audio"][name]
     audio = decode_vllm_audio((GOLDEN / "vllm-audio" / name).read_bytes(), REFERENCE["audio_rate"], 60.0, "item",
@@ -319,7 +319,7 @@ def test_the_resampling_tolerance_tells_a_different_resampler_apart():
 
 
 def test_audio_limits_and_bad_files(resampler):
-    from encode_server.media.vllm_audio import decode_vllm_audio
+    from encode_server.fronts.vllm.audio import decode_vllm_audio
 
     clip = (GOLDEN / "vllm-audio" / "mono16k.wav").read_bytes()
     with pytest.raises(MediaError, match="--max-audio-seconds"):

@@ -1,5 +1,5 @@
 """Where vLLM 0.33 lays rows out otherwise than transformers: the vLLM producer refuses such checkpoints
-at start-up rather than write rows a consumer would reject (`vllm_producer.check_vllm_layout`)."""
+at start-up rather than write rows a consumer would reject (`fronts.vllm.producer.check_vllm_layout`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from encode_server.vllm_producer import check_vllm_layout
+from encode_server.fronts.vllm.producer import check_vllm_layout
 
 pytestmark = pytest.mark.quick
 
@@ -29,7 +29,7 @@ def test_other_families_are_not_concerned():
 
 
 def test_modalities_vllm_lays_out_otherwise_are_refused_with_the_reason():
-    from encode_server.vllm_producer import vllm_layout_refusal
+    from encode_server.fronts.vllm.producer import vllm_layout_refusal
 
     for family in ("kimi_k25", "muse_spark", "dots3_note"):
         reason = vllm_layout_refusal(family, "video")
@@ -40,7 +40,7 @@ def test_modalities_vllm_lays_out_otherwise_are_refused_with_the_reason():
 
 
 def test_video_loaders_vllm_has_of_its_own_are_refused():
-    from encode_server.media.vllm_video import UnsupportedVideoLoader, loader_for
+    from encode_server.fronts.vllm.video import UnsupportedVideoLoader, loader_for
 
     for name in ("MiniMaxM3VLVideoProcessor", "MuseSparkVideoProcessor", "Glm46VVideoProcessor"):
         with pytest.raises(UnsupportedVideoLoader, match="does not implement"):

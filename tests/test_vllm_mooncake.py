@@ -64,7 +64,7 @@ def assert_nothing_held(srv) -> None:
 
 def test_images_and_video_land_bit_identical_on_every_consumer_rank():
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
-    from encode_server.media.vllm_video import decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_video
     from tests.test_vllm_producer import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)
@@ -102,7 +102,7 @@ def test_images_and_video_land_bit_identical_on_every_consumer_rank():
 
 def test_audio_lands_bit_identical():
     clip = (GOLDEN_ROOT / "vllm-audio" / "mono16k.wav").read_bytes()
-    from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
+    from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 
     with server("--model", "tiny-qwen2-audio") as srv, ConsumerStandIn(free_port()) as consumer:
         part = {"type": "input_audio", "input_audio": {"data": b64(clip), "format": "wav"}}

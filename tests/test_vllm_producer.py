@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from encode_server.delivery.vllm_hash import EncodedImage, image_identifier
-from encode_server.media.vllm_images import decode_vllm_image
+from encode_server.fronts.vllm.identifiers import EncodedImage, image_identifier
+from encode_server.fronts.vllm.images import decode_vllm_image
 from tests.helpers import InProcessServer, decode_embedding, png_bytes, vllm_audio_hash
 
 GOLDEN = Path(__file__).parent / "golden" / "vllm-images"
@@ -225,7 +225,7 @@ def frames_item(frames) -> dict:
 
 
 def test_video_parts_store_vllms_identifiers_and_the_rows_of_vllms_frames(tmp_path):
-    from encode_server.media.vllm_video import decode_vllm_jpeg_frames, decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_jpeg_frames, decode_vllm_video
 
     storage = tmp_path / "ec"
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
@@ -306,7 +306,7 @@ def test_audio_parts_store_vllms_identifiers_and_rows(tmp_path):
         # vLLM's waveforms on this CPU (a resampled clip's last bits depend on the CPU: test_vllm_identifiers.py
         # checks them against the resampling itself), and the identifiers vLLM's framing gives them; on the CPU the
         # golden file was recorded on (and on every CPU for the clip vLLM does not resample) vLLM's own.
-        from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
+        from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 
         resampler = Resampler()
         try:

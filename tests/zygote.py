@@ -64,6 +64,7 @@ def preload() -> None:
 
     import encode_server.__main__  # noqa: F401
     import encode_server.http.app  # noqa: F401
+    import encode_server.http.draining  # noqa: F401
     from processors.registry import families
 
     families()

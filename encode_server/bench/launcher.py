@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from encode_server.__main__ import READY_LINE
+from encode_server.ops.logs import READY_LINE
 
 ROOT = Path(__file__).resolve().parents[2]
 

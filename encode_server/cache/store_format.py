@@ -21,7 +21,7 @@ corrupt object, a miss (`CorruptObject`), never rows.
 Native `/encode` items use the same value format under a namespace of this server's own
 (`encode-server@...`, identifier: the embedding cache's content key in hex), with a second object
 `<namespace>@layout:<identifier>` holding the item's layout (grid, timestamps) as JSON, which vLLM's
-format has no room for. `--ec-storage` items (`vllm_producer`) use vLLM's namespace and identifiers, so
+format has no room for. `--ec-storage` items (`fronts.vllm`) use vLLM's namespace and identifiers, so
 vLLM encoders and this server answer each other's items.
 
 The protocol marker (`PROTOCOL_MARKER_KEY`) says which protocol a Store's writers speak; a server refuses

@@ -1,4 +1,4 @@
 """Delivery: where an embedding goes (destinations, registrations) and in which frames (one module per
-wire format), the ZMQ PUSH layer, and SGLang's encoder registry. May import: records, ops.
+wire format, `--wire-format` choosing one for every request), and the ZMQ PUSH layer. May import: records, ops.
 `wire` imports nothing of the server: the prefill-side `receiver` shares it.
 """

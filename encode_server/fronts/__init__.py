@@ -1,6 +1,10 @@
-"""The peers' own producer protocols, spoken on top of the transports: vLLM's `ECMooncakeConnector`
-producer role (`vllm_mooncake.py`, over the consumer's control socket in `mooncake_control.py`).
+"""Fronts: one package per protocol the server speaks, each with its routes and what it runs beside the service.
 
-Imports the vLLM producer (`vllm_producer`: items identified, decoded and encoded as vLLM does),
-`transport` (the bytes), `ops` and `records`; `http` imports it.
+`native/` is `POST /encode` and `/scheduler_receive_url` (docs/CONTRACT.md); `sglang/` SGLang's `mooncake`
+transfer backend (`/scheduler_receive_meta_data`, `/send`) and its encoder registry (`--register-with`);
+`vllm/` vLLM's encoder instance: the chat route, vLLM's decoding and identifiers, and one module per EC
+connector. Each front is a `base.Front`: `http` mounts its routes, the runtime starts and closes it.
+`bodies.py` reads request bodies for all of them.
+
+May import: service and everything below it. No front imports another; nothing below imports a front.
 """

@@ -1,5 +1,4 @@
-"""HTTP: the FastAPI app (routes, body limits, error bodies, the API key) and the `/encode` response body.
-
-Protocol fronts live here, one module each; they parse and answer, and hand every request to
-`encode_server.service`. May import: service, admission, records, ops.
+"""HTTP: the FastAPI app that mounts every front's routes (`app.py`, with the server's own routes, error bodies
+and the API key), uvicorn with a drain first (`draining.py`), the listening sockets and the error-answer log.
+May import: runtime (whose lifespan it runs), service, ops, records; the fronts only through the runtime.
 """

@@ -231,6 +231,10 @@ def logs_json() -> bool:
     return any(isinstance(handler.formatter, JsonFormatter) for handler in logging.getLogger().handlers)
 
 
+#: How the line that says the server listens begins; `encode_server.bench.launcher` waits for it.
+READY_LINE = "encode-server ready:"
+
+
 def announce(logger: str, message: str) -> None:
     """Write `message` on stderr whatever the level (the ready line supervisors and the launcher wait for):
     as it is with text logs, as an INFO record with JSON logs (where every line is a JSON object)."""

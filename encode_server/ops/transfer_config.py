@@ -7,7 +7,7 @@ honour is taken; anything else is refused in one line at start-up that says why 
 instead:
 
 - `ECMooncakeConnector`, `ec_role` `ec_producer`: each item's rows pushed with Mooncake's TransferEngine
-  into the buffer the consumer reserved (`fronts/vllm_mooncake.py`). `ec_buffer_size` bounds the memory
+  into the buffer the consumer reserved (`fronts/vllm/mooncake_connector.py`). `ec_buffer_size` bounds the memory
   registered with the engine at once; `mooncake_protocol` is `rdma` unless set (say `tcp` where there is
   no RDMA NIC); `control_timeout_s` bounds each control request to a consumer. Rows are registered from
   host memory, so `ec_buffer_device` must be `cpu` (the default here, where vLLM's is `cuda`).

@@ -34,7 +34,7 @@ from encode_server.parallel.channel import pack_batch, unpack_result
 from encode_server.parallel.worker import START_FAILED
 from processors import EncoderAdapter, ItemLayout, PreparedBatch, resolve_device
 
-log = logging.getLogger("encode_server.ranks")
+log = logging.getLogger("encode_server.parallel.ranks")
 
 
 def rank_device(settings: Settings, rank: int) -> str:

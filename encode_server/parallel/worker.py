@@ -32,7 +32,7 @@ from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_result, unpack_batch
 from processors import load_adapter
 
-log = logging.getLogger("encode_server.worker")
+log = logging.getLogger("encode_server.parallel.worker")
 
 
 def die_with_parent() -> None:

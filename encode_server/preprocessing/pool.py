@@ -4,9 +4,9 @@
 `preprocessing.process.worker_context`), each holding the adapter's
 `preprocessing_copy()` (no model) and one torch thread. A task is one item: its raw file bytes (a
 list of image files for a video given as frames) and its modality; the worker decodes it with the
-functions and limits of `encode_server/media/loader.py`, checks its layout (`item_layout`) and runs the
-family's `preprocess` on that item alone. `collate` then fuses a batch's per-item results in order
-into what one `preprocess` over the batch would give.
+functions and limits of `media/decoding.py` (as the server's own decode threads do), checks its layout
+(`item_layout`) and runs the family's `preprocess` on that item alone. `collate` then fuses a batch's
+per-item results in order into what one `preprocess` over the batch would give.
 
 Pixels never go through pickle: the worker (`preprocessing/worker.py`) writes the item's input tensors
 into POSIX shared memory (`preprocessing/shared_tensors.py`: one of its reusable slots, else a one-off block) and

@@ -1,8 +1,8 @@
 """What a preprocessing worker process does (started by `preprocessing.pool.PreprocessPool` from its fork server).
 
 A worker holds the adapter's `preprocessing_copy()` (no model) and one torch thread. For each task (one
-item's raw bytes and modality) it decodes the item with the functions and limits of
-`encode_server/media/loader.py`, checks its layout, runs the family's `preprocess` on it alone, and sends the
+item's raw bytes and modality) it decodes the item with the functions and limits of `media/decoding.py` (as
+the server's own decode threads do), checks its layout, runs the family's `preprocess` on it alone, and sends the
 tensors back through shared memory (`preprocessing/shared_tensors.py`): never the pixels through the pipe. It keeps
 a few reusable slots for that (`SlotWriter`); a task carries the slots the pool has released since the
 worker's last task, and an item that finds no free slot goes in a one-off block.

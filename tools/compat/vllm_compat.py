@@ -510,7 +510,7 @@ def build_other(name: str, folder: Path) -> Path:
     elif name == "llava_onevision":
         # vLLM 0.33 packs (and counts) LLaVA-OneVision rows with anyres_max_9 whatever the checkpoint says,
         # as every released checkpoint says; the fixture's anyres_max_2 is set to that (the producer refuses
-        # other values at start-up: see vllm_producer.check_vllm_layout).
+        # other values at start-up: see fronts.vllm.producer.check_vllm_layout).
         other.llava_onevision_checkpoint(folder)
         for file in ("config.json", "processor_config.json"):
             settings = json.loads((folder / file).read_text())

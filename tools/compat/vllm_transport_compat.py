@@ -243,7 +243,7 @@ def metadata_against_vllm() -> None:
     from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser
     from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalDataParser
 
-    from encode_server.fronts.vllm_mooncake import PLACEHOLDER_FIELDS
+    from encode_server.fronts.vllm.mooncake_connector import PLACEHOLDER_FIELDS
 
     parsers = {"qwen2_vl": Qwen2VLMultiModalDataParser, "qwen2_5_vl": Qwen2VLMultiModalDataParser,
                "qwen3_vl": Qwen3VLMultiModalDataParser, "qwen2_5_omni": Qwen2_5OmniThinkerMultiModalDataParser,
@@ -261,7 +261,7 @@ def metadata_against_vllm() -> None:
 def run(args) -> None:
     import torch
 
-    from encode_server.media.vllm_video import decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_video
     from tests.helpers import ServerProcess
 
     config = json.dumps({"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer", "ec_buffer_device": "cpu",
@@ -376,7 +376,7 @@ def run(args) -> None:
 
 
 def audio_case(args, config: str) -> None:
-    from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
+    from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
     from tests.helpers import ServerProcess
 
     clip = (ROOT / "tests" / "golden" / "vllm-audio" / "mono16k.wav").read_bytes()

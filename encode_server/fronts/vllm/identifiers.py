@@ -8,12 +8,12 @@ chunk preceded by its length (8 bytes, little-endian), every value by a tag (non
 leaf), keys sorted at the top level. What is hashed for each modality:
 
 - an image loaded from bytes: those original bytes, or `{"io_config": {...}, "data": bytes}` when vLLM
-  had to convert it (`media/vllm_images.py` says when);
+  had to convert it (`images.py` says when);
 - a video: the pair its loader returns, `(frames with their original bytes, metadata)`: the bytes (or
   the frames array, when it is the smaller) under the key "video", then the metadata dict
-  (`media/vllm_video.py`);
+  (`video.py`);
 - an audio clip: the waveform array its data parser hands the processor (dtype, shape, bytes), after
-  resampling to the model's rate (`media/vllm_audio.py`).
+  resampling to the model's rate (`audio.py`).
 
 Only what identifies our items is written here (strings, bytes, numbers, lists, dicts, numpy arrays,
 images and videos as above); `tests/golden/vllm-0.33.0-identifiers.json` holds identifiers that vLLM

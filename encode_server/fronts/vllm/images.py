@@ -10,7 +10,7 @@ place of its encoder's, so ours must come from the same pixels. Its loader
 - converts to RGB: an image with transparency (RGBA, LA, PA, or a `transparency` entry such as a PNG
   tRNS chunk) is composited on a white background, any other mode is `convert("RGB")`ed;
 - and, when that conversion made a new image, hashes `{"image_mode": "RGB", "rgba_background_color":
-  (255, 255, 255)}` with the original bytes (`delivery/vllm_hash.EncodedImage.io_config`).
+  (255, 255, 255)}` with the original bytes (`identifiers.EncodedImage.io_config`).
 
 The native `/encode` decode (`decoding.decode_image`) drops the alpha channel instead, so a transparent
 image gives other pixels there; `VllmImage.native_equivalent` says when the two decodes agree (then the

@@ -1,18 +1,23 @@
 """Reading request bodies: under a byte limit (413 naming what raises it, as soon as it is known), and as
-JSON (400 naming what is wrong). Shared by every protocol front."""
+JSON (400 naming what is wrong); small JSON bodies answered with the contract's error body. Shared by every
+protocol front."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
+from encode_server.admission.schemas import request_id_of
 from encode_server.records import EncodeError
 
 #: What raises the limit of `/encode` bodies, named in its 413.
 ENCODE_LIMIT_REMEDY = "--max-request-bytes raises it"
+#: Largest body of the small JSON exchanges (a receiver's registration, pull or send).
+SMALL_BODY_BYTES = 64 * 1024
 
 
 async def read_limited(declared: str | None, chunks: AsyncIterator[bytes], limit: int,
@@ -47,3 +52,21 @@ def parse_json(body: bytes) -> Any:
         return orjson.loads(body)
     except (ValueError, RecursionError) as exc:  # orjson.JSONDecodeError is a ValueError
         raise EncodeError(400, f"body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def error_response(error: EncodeError) -> JSONResponse:
+    """The contract's error body (docs/CONTRACT.md section 2) with the error's status and headers."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def small_json(request: Request, remedy: str, handler: Callable[[Any], Awaitable[Any]]) -> JSONResponse:
+    """A small JSON body (at most `SMALL_BODY_BYTES`; a 413 ends with `remedy`) through `handler`; errors as the
+    contract's error body, with the body's `req_id` when it has one."""
+    payload: Any = None
+    try:
+        payload = parse_json(await read_body(request, SMALL_BODY_BYTES, remedy))
+        return JSONResponse(await handler(payload))
+    except EncodeError as error:
+        if error.req_id is None:
+            error.req_id = request_id_of(payload)
+        return error_response(error)

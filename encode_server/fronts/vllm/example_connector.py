@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("encode_server.delivery.ec_storage")
+log = logging.getLogger("encode_server.fronts.vllm.example_connector")
 
 #: The file name and tensor key vLLM's ECExampleConnector reads.
 FILE_NAME = "encoder_cache.safetensors"

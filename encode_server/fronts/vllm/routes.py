@@ -1,4 +1,4 @@
-"""`POST /v1/chat/completions`: the OpenAI-style front of the vLLM producer (`--ec-storage`, or
+"""`POST /v1/chat/completions`: the OpenAI-style route of the vLLM producer (`--ec-storage`, or
 `--ec-transfer-config` with `ECMooncakeConnector`, whose rows are pushed to the consumer the request names and
 whose answer carries vLLM's `ec_transfer_params`).
 
@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from encode_server.admission.chat import media_parts
-from encode_server.fronts.vllm_mooncake import MooncakePusher
-from encode_server.http.bodies import parse_json, read_body
-from encode_server.ops.settings import Settings
+from encode_server.fronts.bodies import parse_json, read_body
+from encode_server.fronts.vllm.chat import media_parts
+from encode_server.fronts.vllm.producer import StoredItem
 from encode_server.records import EncodeError
-from encode_server.vllm_producer import StoredItem, VllmProducer
+
+if TYPE_CHECKING:
+    from encode_server.fronts.vllm.front import VllmFront
 
 #: OpenAI's error `type` for each status we answer with.
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
@@ -55,15 +56,17 @@ def chat_completion(request_id: str, model: str, stored: list[StoredItem]) -> di
     }
 
 
-def add_openai_routes(app: FastAPI, settings: Settings) -> None:
+def add_chat_route(app: FastAPI, front: VllmFront) -> None:
+    """`/v1/chat/completions`, answered by what `front` started (a 404 naming the flags when it started none)."""
+    settings = front.settings
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
-        producer: VllmProducer | None = getattr(request.app.state, "vllm_producer", None)
+        producer, pusher = front.producer, front.pusher
         if producer is None:
             return openai_error(EncodeError(404, "/v1/chat/completions is the vLLM producer's endpoint: start the "
                                                  "server with --ec-storage PATH (the consumers' shared_storage_path) "
                                                  "or --ec-transfer-config (vLLM's, e.g. ECMooncakeConnector)"))
-        pusher: MooncakePusher | None = getattr(request.app.state, "vllm_pusher", None)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             payload = parse_json(await read_body(request, settings.max_request_bytes))

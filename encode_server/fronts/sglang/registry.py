@@ -18,7 +18,7 @@ import logging
 
 import aiohttp
 
-log = logging.getLogger("encode_server.delivery.sglang_registry")
+log = logging.getLogger("encode_server.fronts.sglang.registry")
 
 
 class SglangRegistry:

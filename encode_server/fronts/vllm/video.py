@@ -22,7 +22,7 @@ and `vllm/multimodal/video.py`):
 The loader returns the frames (`[T, H, W, 3]` uint8) with a metadata dict (`total_num_frames`, `fps`,
 `duration`, `video_backend`, `frames_indices`, `do_sample_frames`), and vLLM hashes the pair: the
 original bytes (or the frames, when those are smaller) and the metadata
-(`delivery/vllm_hash.EncodedVideo`). OpenCV is what decodes, as in vLLM: the `vllm` extra installs it
+(`identifiers.EncodedVideo`). OpenCV is what decodes, as in vLLM: the `vllm` extra installs it
 (`pip install -e '.[vllm]'` from a checkout, or `pip install opencv-python-headless`); the pixels are the
 consumer's only when both sides run the same OpenCV build.
 """
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from encode_server.fronts.vllm.images import decode_vllm_image
 from encode_server.media.decoding import MediaError
-from encode_server.media.vllm_images import decode_vllm_image
 
 #: vLLM's `VideoMediaIO` default `num_frames` (also the cap on a `video/jpeg` frame list).
 DEFAULT_NUM_FRAMES = 32

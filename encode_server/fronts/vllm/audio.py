@@ -11,7 +11,7 @@ processor, so ours must be that very array, bit for bit:
   Hann window, 6 zero crossings, roll-off 0.99), run as vLLM runs it: one thread, oneDNN off. Which
   thread count the convolution runs with changes the last bits, and the thread count is the process's,
   so the resampling runs in a one-thread helper process of its own (`Resampler`), never in this one;
-- the array (`float32`, one dimension) is what is hashed (`delivery/vllm_hash`) and what the encoder
+- the array (`float32`, one dimension) is what is hashed (`identifiers`) and what the encoder
   gets: sent to the native path as a 32-bit float WAV at the model's rate, which it reads back as is.
 
 Formats libsndfile cannot read (vLLM would go on to PyAV) are refused with a 400 naming the ones it reads.

@@ -1,17 +1,17 @@
 """The vLLM producer (`--ec-storage`): this server as the encoder instance ("E") of vLLM's EPD serving.
 
-For each media item of a chat-completions body (`admission.chat`: images, videos, audio clips), in order:
+For each media item of a chat-completions body (`chat`: images, videos, audio clips), in order:
 
 1. a part with a `uuid` whose item is already stored is a hit, and nothing is fetched;
 2. the item's bytes (a `data:` URL's payload, or an http(s) URL's body through the URL guard);
-3. decoded as vLLM decodes it (`media.vllm_images`, `media.vllm_video`: the frames vLLM's loader for
-   this model samples, `media.vllm_audio`: the waveform at the model's rate) and identified as vLLM
-   identifies it (`delivery.vllm_hash`: the uuid, or the hash of the consumer's model id and the item);
+3. decoded as vLLM decodes it (`images`, `video`: the frames vLLM's loader for
+   this model samples, `audio`: the waveform at the model's rate) and identified as vLLM
+   identifies it (`identifiers`: the uuid, or the hash of the consumer's model id and the item);
 4. an identifier already stored is a hit (not encoded again, counted);
 5. the request's misses go through `EncoderService.encode_rows`, one job per modality: admission, the
    scheduler (batched with every other request) and the engine, from what vLLM decodes (lossless PNGs
    of its pixels and frames, a float WAV of its waveform);
-6. each item's rows are written to the storage (`delivery.ec_storage`: atomically, within the bound).
+6. each item's rows are written to the storage (`example_connector`: atomically, within the bound).
 
 With `--cache-store`, an item the storage lacks is first asked of Mooncake Store under vLLM's own key
 (`cache.store_tier`, vLLM's namespace and identifier): a hit is written to the storage, not encoded;
@@ -30,34 +30,34 @@ from dataclasses import dataclass
 
 import torch
 
-from encode_server.admission.chat import ChatMediaPart
 from encode_server.cache.store_tier import StoreTier, row_widths, vllm_namespace
-from encode_server.delivery.ec_storage import ECStorage, check_identifier
-from encode_server.delivery.vllm_hash import (
+from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
+from encode_server.fronts.vllm.chat import ChatMediaPart
+from encode_server.fronts.vllm.example_connector import ECStorage, check_identifier
+from encode_server.fronts.vllm.identifiers import (
     EncodedImage,
     EncodedVideo,
     audio_identifier,
     image_identifier,
     video_identifier,
 )
-from encode_server.media.decoding import MediaError
-from encode_server.media.loader import each_in_order
-from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
-from encode_server.media.vllm_images import data_url_payload, decode_vllm_image
-from encode_server.media.vllm_video import (
+from encode_server.fronts.vllm.images import data_url_payload, decode_vllm_image
+from encode_server.fronts.vllm.video import (
     UnsupportedVideoLoader,
     decode_vllm_jpeg_frames,
     decode_vllm_video,
     loader_for,
     video_processor_name,
 )
+from encode_server.media.decoding import MediaError
+from encode_server.media.loader import each_in_order
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
 from processors.base import ItemLayout
 from processors.registry import family_named
 
-log = logging.getLogger("encode_server.vllm_producer")
+log = logging.getLogger("encode_server.fronts.vllm.producer")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ proxy drives an encoder instance:
 
 1. The proxy sends each encoder request with `ec_transfer_params = {"consumer_zmq": "tcp://host:port",
    "ec_items": [{"transfer_id": ...}, ...]}`, one entry per media item, by position.
-2. The items are identified and encoded as `--ec-storage` does (`vllm_producer.VllmProducer.rows`).
+2. The items are identified and encoded as `--ec-storage` does (`producer.VllmProducer.rows`).
 3. The consumer's control socket (`mooncake_control`) is asked for its ranks (`peers`); every rank gets one
    `reserve_batch` with each item's `transfer_id`, `mm_hash` (the identifier), `nbytes`, `shape` and
    `dtype`, and answers each with a reservation: `reservation_id`, `dst_session`, `dst_ptr`, `nbytes`,
@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 
-from encode_server.fronts.mooncake_control import ControlClient, ControlError
+from encode_server.fronts.vllm.mooncake_control import ControlClient, ControlError
+from encode_server.fronts.vllm.producer import ItemRows
 from encode_server.ops.transfer_config import ECTransferConfig
 from encode_server.records import EncodeError
 from encode_server.transport.mooncake import MooncakeEngine
 from encode_server.transport.registered import RegistrationRefused
-from encode_server.vllm_producer import ItemRows
 
-log = logging.getLogger("encode_server.fronts.vllm_mooncake")
+log = logging.getLogger("encode_server.fronts.vllm.mooncake_connector")
 
 #: (family, modality) -> the placeholder fields vLLM 0.33's data parser declares (`embedding_fields`, role
 #: "metadata"), where this server can fill every one of them. Elsewhere nothing is published and the proxy sends

@@ -39,7 +39,7 @@ from encode_server.records import EncodedPart, EncodeError, PartMeta
 from encode_server.transport.mooncake import MooncakeEngine
 from encode_server.transport.registered import RegistrationRefused
 
-log = logging.getLogger("encode_server.fronts.sglang_mooncake")
+log = logging.getLogger("encode_server.fronts.sglang.mooncake")
 
 NAME = "sglang-mooncake"
 

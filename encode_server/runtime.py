@@ -1,0 +1,143 @@
+"""The running server, built from the settings in one place: the CLI (`__main__`) and the tests' in-process
+servers both use it.
+
+`load_encoder` comes first, before the app exists: the device, the model (a Hub id becomes its local folder),
+the parallel ranks, the adapter, tensor parallelism and preprocessing on the device. `Runtime` is the rest,
+which the app's lifespan runs on the serving loop: `start` warms the model up, starts the service and every
+front, and freezes what is alive by then out of the garbage collector's full collections; `stop` closes the
+fronts, then the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import time
+from typing import Any
+
+import encode_server
+from encode_server.fronts.base import Front
+from encode_server.fronts.native.routes import NativeFront
+from encode_server.fronts.sglang.front import SglangFront
+from encode_server.fronts.vllm.front import VllmFront
+from encode_server.ops.settings import Settings
+from encode_server.parallel.ranks import WorkerGroup
+from encode_server.service import EncoderService
+from processors import DTYPE_NAMES, EncoderAdapter
+
+log = logging.getLogger("encode_server.startup")
+
+
+class StartError(Exception):
+    """The server cannot start with these settings; the message names what is wrong and the fix."""
+
+
+def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None]:
+    """The model this server encodes with, on its device, and the group of its other ranks (None with one
+    rank): started, loaded and, with `--tp-size`, sharded. `StartError` if it cannot be."""
+    from processors import DeviceError, load_adapter, resolve_model
+    from processors.base import resolve_device
+    from processors.registry import ModelNotFound
+
+    world = max(settings.tp_size, settings.dp_size)
+    try:
+        device = resolve_device(settings.device, world)
+    except DeviceError as exc:
+        raise StartError(str(exc)) from None
+    try:  # a Hub id becomes its local encoder-only folder here, downloaded once for every rank
+        log.info("resolving model %s", settings.model)
+        model = resolve_model(settings.model)
+    except ModelNotFound as exc:  # the message names the model and what it should be
+        raise StartError(str(exc)) from None
+    except (ValueError, OSError) as exc:
+        raise StartError(f"cannot load model {settings.model!r}: {exc}") from None
+    group = None
+    if world > 1:
+        log.info("starting %d %s ranks", world - 1, "tensor-parallel" if settings.tp_size > 1 else "data-parallel")
+        group = WorkerGroup(dataclasses.replace(settings, model=model), "tp" if settings.tp_size > 1 else "dp", world)
+        group.start()  # the other ranks load the model while this one does
+    try:
+        log.info("loading model %s on %s (dtype %s)", settings.model, device, settings.dtype)
+        loading = time.monotonic()
+        adapter = load_adapter(model, settings.device, settings.dtype,
+                               name=settings.model if model != settings.model else None)
+        log.info("loaded %s (family %s, %s) in %.1f s", adapter.info.name, adapter.info.family,
+                 DTYPE_NAMES[adapter.dtype], time.monotonic() - loading)
+        if group is not None and group.role == "tp":
+            from encode_server.parallel.ranks import join_tensor_parallel
+
+            adapter = join_tensor_parallel(adapter, group)
+        if settings.preprocess_device != "cpu":
+            from encode_server.preprocessing.gpu import PreprocessDeviceError, use_device_preprocessing
+
+            try:
+                use_device_preprocessing(adapter, settings.preprocess_device)
+            except PreprocessDeviceError as exc:
+                raise StartError(str(exc)) from None
+    except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
+        if group is not None:
+            group.stop()
+        if isinstance(exc, ModelNotFound):  # the message names the model and what it should be
+            raise StartError(str(exc)) from None
+        raise StartError(f"cannot load model {settings.model!r}: {exc}") from None
+    except StartError:
+        if group is not None:
+            group.stop()
+        raise
+    return adapter, group
+
+
+def fronts_for(settings: Settings) -> list[Front]:
+    """Every protocol front, in the order their routes are mounted and they start (closed in reverse)."""
+    return [NativeFront(settings.max_request_bytes), SglangFront(settings), VllmFront(settings)]
+
+
+class Runtime:
+    """The service and the fronts of one server, around the encoder `load_encoder` gave (loaded by `start`
+    when none is given)."""
+
+    def __init__(self, settings: Settings, adapter: EncoderAdapter | None = None,
+                 group: WorkerGroup | None = None) -> None:
+        self.settings = settings
+        self.adapter = adapter
+        self.group = group
+        self.fronts = fronts_for(settings)
+        self.service: EncoderService | None = None
+
+    async def start(self) -> EncoderService:
+        """Warm up, start the service and the fronts; the service, ready to answer."""
+        if self.adapter is None:
+            self.adapter, self.group = await asyncio.to_thread(load_encoder, self.settings)
+        encoder = self.adapter
+        log.info("warming up %s (one forward on a tiny input)", encoder.info.name)
+        warming = time.monotonic()
+        await asyncio.to_thread(encoder.warmup)
+        log.info("warmed up in %.1f s; starting the scheduler", time.monotonic() - warming)
+        service = EncoderService(self.settings, encoder, self.group, scheduler_thread=True)
+        await service.start()
+        self.service = service
+        for front in self.fronts:
+            await front.start(service)
+        # The model and its libraries leave a great many long-lived objects; frozen, the full collections
+        # that run under load no longer scan them (each scan is a pause of every request in flight).
+        gc.collect()
+        gc.freeze()
+        log.info("ready in %.1f s: serving %s (%s) on %s in %s", time.monotonic() - encode_server.IMPORTED_AT,
+                 encoder.info.name, encoder.info.family, encoder.device, DTYPE_NAMES[encoder.dtype])
+        return service
+
+    async def stop(self) -> None:
+        """Close the fronts (last started first), then the service (its ranks and workers with it)."""
+        for front in reversed(self.fronts):
+            await front.close()
+        if self.service is not None:
+            await self.service.stop()
+
+    def transport(self) -> dict[str, Any]:
+        """`/server_info`'s `transport`: how rows leave this server, per consumer kind."""
+        found: dict[str, Any] = {}
+        for front in self.fronts:
+            found.update(front.transport())
+        return found
