@@ -74,9 +74,9 @@ def serve(argv: Sequence[str] | None = None) -> None:
     import uvicorn  # imported late so that --help answers fast
 
     from encode_server.http.app import create_app
-    from processors import DTYPE_NAMES, DeviceError, load_adapter, resolve_model
-    from processors.base import resolve_device
-    from processors.registry import ModelNotFound
+    from encode_server.models import DTYPE_NAMES, DeviceError, load_adapter, resolve_model
+    from encode_server.models.base import resolve_device
+    from encode_server.models.registry import ModelNotFound
 
     route_library_logs()  # transformers and the Hub client are imported now: their lines get our format too
     group = None
@@ -113,7 +113,7 @@ def serve(argv: Sequence[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
         if group is not None:
             group.stop()
-        from processors.registry import ModelNotFound
+        from encode_server.models.registry import ModelNotFound
 
         found = not isinstance(exc, ModelNotFound)  # else the message names the model and what it should be
         sys.exit(f"encode-server: cannot load model {settings.model!r}: {exc}" if found else f"encode-server: {exc}")

@@ -51,11 +51,11 @@ from encode_server.media.vllm_video import (
     loader_for,
     video_processor_name,
 )
+from encode_server.models.base import ItemLayout
+from encode_server.models.registry import family_named
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
-from processors.base import ItemLayout
-from processors.registry import family_named
 
 log = logging.getLogger("encode_server.vllm_producer")
 

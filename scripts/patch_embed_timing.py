@@ -1,4 +1,4 @@
-"""Conv3d vs matrix-multiply patch embedding (`processors/patch_embed.py`) on one CPU core.
+"""Conv3d vs matrix-multiply patch embedding (`encode_server/models/layers/patch_embed.py`) on one CPU core.
 
 One 1280x720 image's patches (4,784 rows of 1,176 values) through Qwen2.5-VL's patch embedding at its
 real width (1,280) and at the camera benchmark's tiny width (32), in float32 and bfloat16: the time of
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from processors.patch_embed import patches_as_matmul  # noqa: E402
+from encode_server.models.layers.patch_embed import patches_as_matmul  # noqa: E402
 
 
 def main() -> None:

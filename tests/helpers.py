@@ -193,8 +193,8 @@ class InProcessServer(MetricsReader):
         import uvicorn
 
         from encode_server.http.app import create_app
+        from encode_server.models import load_adapter, resolve_model
         from encode_server.ops.settings import load_settings
-        from processors import load_adapter, resolve_model
 
         settings = load_settings(self.args, self.environ)
         if max(settings.tp_size, settings.dp_size) > 1 or settings.preprocess_workers != 0:

@@ -28,12 +28,12 @@ import encode_server
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
 from encode_server.http.bodies import parse_json, read_body, read_limited
 from encode_server.http.error_log import ErrorAnswerLog
+from encode_server.models import load_adapter
+from encode_server.models.dtypes import DTYPE_NAMES
 from encode_server.ops.setting_values import exempt_networks, in_networks
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError, error_body
 from encode_server.service import EncoderService
-from processors import load_adapter
-from processors.dtypes import DTYPE_NAMES
 
 #: Where the Swagger UI and ReDoc assets of /docs and /redoc are served from (this server, not a CDN).
 DOCS_ASSETS = "/docs-assets"
