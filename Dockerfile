@@ -58,7 +58,6 @@ RUN pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" 
 WORKDIR /tmp/encode-server
 COPY pyproject.toml README.md ./
 COPY encode_server ./encode_server
-COPY processors ./processors
 RUN pip install ".[video,vllm,mooncake]" \
     && python -c "import torch, encode_server; print('encode-server', encode_server.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda)" \
     && rm -rf /tmp/encode-server

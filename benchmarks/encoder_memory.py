@@ -1,7 +1,7 @@
 """How much memory loading only the encoder of a checkpoint costs, against the encoder's weights.
 
 Saves a Qwen2.5-VL checkpoint whose language model is far larger than its vision tower, then, in a
-fresh process, loads the encoder with `processors.checkpoint.load_checkpoint` and reports the growth
+fresh process, loads the encoder with `encode_server.models.registry.load_checkpoint` and reports the growth
 of resident memory (VmRSS and peak VmHWM from /proc/self/status).
 
     python benchmarks/encoder_memory.py
@@ -49,7 +49,7 @@ def measure(folder: Path) -> dict:
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl  # noqa: F401
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl  # noqa: F401
 
-    from processors.registry import load_checkpoint
+    from encode_server.models.registry import load_checkpoint
 
     before, _ = rss_mib()
     adapter = load_checkpoint(folder, torch.device("cpu"), torch.float32)

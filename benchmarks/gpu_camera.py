@@ -90,8 +90,9 @@ def float32_rows(adapter, pixels: list[torch.Tensor], grid: torch.Tensor) -> tor
 def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repeats: int, out: str | None,
                  device: str = "cuda") -> None:
     from encode_server.media.decoding import MediaLimits, decode_bytes
+    from encode_server.models import load_adapter
+    from encode_server.models.layers import aligned_mlp, packed_attention
     from encode_server.ops.settings import Settings
-    from processors import aligned_mlp, load_adapter, packed_attention
 
     aligned_mlp.enabled = False  # the plain tower first; the padded copy is made below
     adapter = load_adapter(str(folder), device, "bfloat16" if device == "cuda" else "float32")
@@ -105,7 +106,7 @@ def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repe
              "grouped+aligned-mlp (the default)": (packed_attention.PACKED_ATTENTION, False, True),
              "varlen": (packed_attention.PACKED_ATTENTION, True, False),
              "varlen+aligned-mlp": (packed_attention.PACKED_ATTENTION, True, True)}
-    padded = None  # the same weights with the MLP widths padded (`processors/aligned_mlp.py`), made on demand
+    padded = None  # the same weights, MLP widths padded (`encode_server/models/layers/aligned_mlp.py`), made on demand
     for size in batch_sizes:
         batch = prepared[:size]
         rows_in = sum(int(item.inputs["pixel_values"].shape[0]) for item in batch)
@@ -163,8 +164,8 @@ def profile_part(folder: Path, images: list[bytes], out_dir: str | None, device:
     from torch.profiler import ProfilerActivity, profile
 
     from encode_server.media.decoding import MediaLimits, decode_bytes
+    from encode_server.models import load_adapter
     from encode_server.ops.settings import Settings
-    from processors import load_adapter
 
     adapter = load_adapter(str(folder), device, "bfloat16" if device == "cuda" else "float32")
     limits = MediaLimits.from_settings(Settings(), adapter)

@@ -110,7 +110,7 @@ class Bench:
     def stream(self, ours: bool, target: str, tensor, count: int) -> tuple[float, float]:
         """GB/s of `count` messages, first send to the last one received; and the sending thread's
         CPU microseconds per message (for ours: what delivery costs the event loop)."""
-        from processors.dtypes import raw_bytes as payload_view
+        from encode_server.models.dtypes import raw_bytes as payload_view
 
         prefix, headers = self._headers(count, tuple(tensor.shape))
         self.control.send_pyobj((target, prefix, count))
@@ -133,7 +133,7 @@ class Bench:
 
     def latency(self, ours: bool, target: str, tensor, rounds: int) -> float:
         """Median ms from sending one message alone to its receipt acknowledged by the consumer."""
-        from processors.dtypes import raw_bytes as payload_view
+        from encode_server.models.dtypes import raw_bytes as payload_view
 
         prefix, headers = self._headers(rounds, tuple(tensor.shape))
         self.control.send_pyobj((target + "-each", prefix, rounds))

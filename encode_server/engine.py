@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from encode_server.models import EncoderAdapter, ItemLayout, PreparedBatch
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
-from processors import EncoderAdapter, ItemLayout, PreparedBatch
 
 log = logging.getLogger("encode_server.engine")
 T = TypeVar("T")

@@ -33,7 +33,7 @@ import torch
 import zmq
 
 from encode_server.delivery.wire import Header, WireError, decode_header, is_wildcard_host
-from processors.dtypes import DTYPES, raw_bytes
+from encode_server.models.dtypes import DTYPES, raw_bytes
 
 log = logging.getLogger("encode_server.receiver")
 

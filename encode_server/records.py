@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from processors import ItemLayout
+from encode_server.models import ItemLayout
 
 
 class EncodeError(Exception):

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from encode_server.models.dtypes import DTYPE_NAMES, raw_bytes
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodedPart, PartMeta
-from processors.dtypes import DTYPE_NAMES, raw_bytes
 
 #: Above this many bytes, base64-encoding an embedding moves off the event loop.
 INLINE_ENCODE_LIMIT = 256 * 1024

@@ -25,7 +25,7 @@ from encode_server.fronts.vllm.front import VllmFront
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import WorkerGroup
 from encode_server.service import EncoderService
-from processors import DTYPE_NAMES, EncoderAdapter
+from encode_server.models import DTYPE_NAMES, EncoderAdapter
 
 log = logging.getLogger("encode_server.startup")
 
@@ -37,9 +37,9 @@ class StartError(Exception):
 def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None]:
     """The model this server encodes with, on its device, and the group of its other ranks (None with one
     rank): started, loaded and, with `--tp-size`, sharded. `StartError` if it cannot be."""
-    from processors import DeviceError, load_adapter, resolve_model
-    from processors.base import resolve_device
-    from processors.registry import ModelNotFound
+    from encode_server.models import DeviceError, load_adapter, resolve_model
+    from encode_server.models.base import resolve_device
+    from encode_server.models.registry import ModelNotFound
 
     world = max(settings.tp_size, settings.dp_size)
     try:

@@ -36,6 +36,8 @@ from encode_server.engine import EncoderEngine
 from encode_server.media.decoding import MediaError, MediaLimits
 from encode_server.media.loader import LoadedItem, MediaLoader, parse_item
 from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
+from encode_server.models import EncoderAdapter, ItemLayout
+from encode_server.models.dtypes import DTYPE_NAMES
 from encode_server.ops.health import HealthProbe
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
@@ -48,8 +50,6 @@ from encode_server.scheduling.demand import Demand, SharedDemand
 from encode_server.scheduling.policy import BatchPolicy
 from encode_server.scheduling.scheduler import EncoderScheduler
 from encode_server.scheduling.scheduler_thread import SchedulerThread
-from processors import EncoderAdapter, ItemLayout
-from processors.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("encode_server.service")
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
+from encode_server.models import ItemLayout
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta, Timings
 from encode_server.scheduling.policy import BatchPolicy
 from encode_server.scheduling.scheduler import EncoderScheduler
-from processors import ItemLayout
 
 #: The layout of every fake job: 4 rows.
 LAYOUT = ItemLayout(tokens=4, grid_thw=(1, 4, 4))

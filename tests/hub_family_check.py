@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from processors import load_adapter, resolve_model
+from encode_server.models import load_adapter, resolve_model
 
 
 def sample_rows(adapter) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 
 from encode_server.bench.workloads import png_with_nonce
 from encode_server.delivery.native_wire import NativeWire
+from encode_server.models import ItemLayout, load_adapter
 from encode_server.records import EncodedPart, PartMeta
-from processors import ItemLayout, load_adapter
 
 from .helpers import InProcessServer, ServerProcess, png_bytes
 

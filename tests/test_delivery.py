@@ -20,9 +20,9 @@ import zmq
 
 from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.delivery.wire import HEADER_KEYS, Header
+from encode_server.models import ItemLayout
 from encode_server.receiver import EmbeddingError, EmbeddingReceiver, WireFormatMismatch
 from encode_server.records import EncodedPart, PartMeta
-from processors import ItemLayout
 
 from .helpers import ROOT, InProcessServer, free_port, image_b64, push
 

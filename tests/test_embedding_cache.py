@@ -19,9 +19,9 @@ from encode_server.cache.embedding_cache import (
     ItemKeys,
     adapter_fingerprint,
 )
+from encode_server.models import ItemLayout, load_adapter
 from encode_server.ops.memory import default_cache_bytes, parse_byte_size, parse_cache_bytes
 from encode_server.scheduling.demand import Demand, SharedDemand, Urgency
-from processors import ItemLayout, load_adapter
 
 from .fakes import settle
 
@@ -366,7 +366,7 @@ def test_fingerprint_sees_through_a_wrapping_adapter(internvl):
     class Wrapper:
         pass
 
-    from processors import EncoderAdapter
+    from encode_server.models import EncoderAdapter
 
     class Wrapping(EncoderAdapter):
         item_layout = preprocess = forward = sample_item = None

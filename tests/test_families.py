@@ -19,9 +19,9 @@ import soundfile
 import torch
 from PIL import Image
 
-from processors import load_adapter
-from processors.checkpoint import CheckpointError
-from processors.registry import load_checkpoint
+from encode_server.models import load_adapter
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import load_checkpoint
 
 from .checkpoints import internvl_checkpoint, qwen2_audio_checkpoint, qwen25_vl_checkpoint
 from .helpers import InProcessServer, rel_diff, run_python_module

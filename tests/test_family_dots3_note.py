@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from processors.base import ItemError
-from processors.checkpoint import CheckpointError
-from processors.dots3_note import FAMILY, audio_rows
-from processors.registry import family_for_model_type, load_checkpoint
+from encode_server.models.base import ItemError
+from encode_server.models.families.dots3_note import FAMILY, audio_rows
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type, load_checkpoint
 
 from .family_fixtures import check_fused_equals_alone, checkpoint_fixtures
 from .helpers import ROOT, InProcessServer, rel_diff

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from processors.checkpoint import CheckpointError
-from processors.gemma3 import FAMILY, gemma3_from_folder
-from processors.registry import family_for_model_type
+from encode_server.models.families.gemma3 import FAMILY, gemma3_from_folder
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type
 
 from .other_family_checkpoints import gemma3_checkpoint, random_image, rel_diff, spliced_rows
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from processors.checkpoint import CheckpointError
-from processors.generic import FAMILY, GenericAdapter, generic_from_folder
-from processors.registry import FALLBACK_FAMILY, family_for_model_type, family_named, load_checkpoint
+from encode_server.models.generic.adapter import FAMILY, GenericAdapter, generic_from_folder
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import FALLBACK_FAMILY, family_for_model_type, family_named, load_checkpoint
 
 from .helpers import ROOT, WITHOUT_TORCHVISION
 from .other_family_checkpoints import (
@@ -115,8 +115,8 @@ REFUSAL_WITHOUT_TORCHVISION = """
 import sys
 from pathlib import Path
 import torch
-from processors.checkpoint import CheckpointError
-from processors.generic import generic_from_folder
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.generic.adapter import generic_from_folder
 try:
     generic_from_folder(Path(sys.argv[1]), torch.device("cpu"), torch.float32)
 except CheckpointError as exc:
@@ -213,7 +213,7 @@ def test_video_is_served_by_the_generic_path_with_the_frames_as_sampled(tmp_path
     import numpy as np
     from transformers import AutoProcessor, LlavaOnevisionVideoProcessor
 
-    from processors.video_clip import VideoClip
+    from encode_server.models.inputs.video_clip import VideoClip
 
     pytest.importorskip("torchvision", reason="LLaVA-OneVision's video processor needs torchvision")
     model, folder = llava_onevision_checkpoint(tmp_path / "model")
@@ -263,7 +263,7 @@ def test_features_added_to_the_text_embedding_are_refused(checkpoint):
 
 def test_the_stand_in_embedding_tables_rows_by_index_are_its_rows():
     """Gemma 4 reads `embed_tokens.weight[pad_token_id, :]`: the stand-in answers with its own row for that id."""
-    from processors.language_model_trap import TextEmbedding
+    from encode_server.models.generic.language_model_trap import TextEmbedding
 
     embedding = TextEmbedding(8, torch.float32)
     embedding.pattern = True

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from processors.glm4v import FAMILY
-from processors.registry import family_for_model_type
+from encode_server.models.families.glm4v import FAMILY
+from encode_server.models.registry import family_for_model_type
 
 from .grid_vision_checks import (
     REFERENCE,

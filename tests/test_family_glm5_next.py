@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from processors.checkpoint import CheckpointError
-from processors.glm5_next import FAMILY
-from processors.registry import family_for_model_type
+from encode_server.models.families.glm5_next import FAMILY
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type
 
 from .family_fixtures import checkpoint_fixtures
 from .kimi_glm5_minimax_checkpoints import PROMPTS, glm5_next_checkpoint, sample_clips, sample_images

@@ -20,8 +20,8 @@ import json
 import pytest
 import torch
 
-from processors.kimi_k25 import FAMILY
-from processors.registry import family_for_model_type
+from encode_server.models.families.kimi_k25 import FAMILY
+from encode_server.models.registry import family_for_model_type
 
 from .family_fixtures import checkpoint_fixtures
 from .kimi_glm5_minimax_checkpoints import PROMPTS, kimi_k25_checkpoint, sample_clips, sample_images

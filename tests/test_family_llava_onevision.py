@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from processors.checkpoint import CheckpointError
-from processors.llava_onevision import FAMILY
-from processors.registry import family_for_model_type
+from encode_server.models.families.llava_onevision import FAMILY
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type
 
 from .other_family_checkpoints import (
     llava_onevision_checkpoint,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from processors.minimax_m3_vl import FAMILY
-from processors.registry import family_for_model_type
+from encode_server.models.families.minimax_m3_vl import FAMILY
+from encode_server.models.registry import family_for_model_type
 
 from .family_fixtures import checkpoint_fixtures
 from .kimi_glm5_minimax_checkpoints import PROMPTS, clip, minimax_m3_vl_checkpoint, sample_clips, sample_images

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-import processors.mistral3 as mistral3
-from processors.checkpoint import CheckpointError
-from processors.mistral3 import FAMILY
-from processors.registry import family_for_model_type
+import encode_server.models.families.mistral3 as mistral3
+from encode_server.models.families.mistral3 import FAMILY
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type
 
 from .other_family_checkpoints import (
     mistral3_checkpoint,

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from processors.base import ItemError
-from processors.checkpoint import CheckpointError
-from processors.muse_spark import FAMILY
-from processors.registry import family_for_model_type, load_checkpoint
-from processors.sharding import ShardingError
+from encode_server.models.base import ItemError
+from encode_server.models.families.muse_spark import FAMILY
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type, load_checkpoint
+from encode_server.models.sharding.blocks import ShardingError
 
 from .family_fixtures import check_fused_equals_alone, checkpoint_fixtures
 from .helpers import InProcessServer, rel_diff
@@ -201,7 +201,8 @@ def adapter_rows(adapter, modality, item):
 
 
 def test_two_tensor_parallel_ranks_give_the_unsharded_rows(checkpoint, tmp_path):
-    results = run_ranks([f"processors.muse_spark={checkpoint[1]}"], tmp_path / "tp.json", timeout=240, modalities=True)
+    results = run_ranks([f"encode_server.models.families.muse_spark={checkpoint[1]}"], tmp_path / "tp.json",
+                        timeout=240, modalities=True)
     assert set(results) == {"muse_spark/image", "muse_spark/video", "muse_spark/audio"}
     for name, result in results.items():
         assert result["rows"] > 0 and result["rel"] <= 1e-5, (name, result)

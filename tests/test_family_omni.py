@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from processors.base import ItemError
-from processors.checkpoint import CheckpointError
-from processors.registry import family_for_model_type, load_checkpoint
+from encode_server.models.base import ItemError
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import family_for_model_type, load_checkpoint
 
 from .helpers import rel_diff
 from .omni_checkpoints import (
@@ -167,7 +167,7 @@ def test_the_thinker_splices_these_rows_at_its_placeholders(checkpoints, adapter
 def test_qwen3_omni_short_clips_go_through_the_tower_apart(adapters):
     """A clip shorter than one 100-frame chunk, fused with longer ones in one tower call, would be padded and
     get other rows; the adapter gives it the rows it has alone (the test's tiny model has conv biases)."""
-    from processors.qwen3_omni_moe import Qwen3OmniAudioRule
+    from encode_server.models.families.qwen3_omni_moe import Qwen3OmniAudioRule
 
     adapter = adapters["qwen3_omni_moe", "nested"]
     clips = [audio_clip(8000, 1), audio_clip(37_937, 2)]  # 50 frames; 379 frames
@@ -248,7 +248,7 @@ def test_only_the_thinkers_towers_are_built(adapters):
 def test_builtins_serve_all_three_modalities_and_pickle_for_workers(name):
     import pickle
 
-    from processors.registry import builtin_models
+    from encode_server.models.registry import builtin_models
 
     adapter = builtin_models()[name](CPU, F32)
     deepstack = 2 if name == "tiny-qwen3-omni" else 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from processors.registry import load_checkpoint
+from encode_server.models.registry import load_checkpoint
 
 from .checkpoints import install_reference_processor, qwen2_vl_checkpoint
 from .helpers import ServerProcess, rel_diff

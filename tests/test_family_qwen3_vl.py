@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from processors.qwen3_vl import FAMILY
-from processors.registry import family_for_model_type
+from encode_server.models.families.qwen3_vl import FAMILY
+from encode_server.models.registry import family_for_model_type
 
 from .grid_vision_checks import (
     CPU,
@@ -79,7 +79,7 @@ def test_video_pixels_equal_transformers_video_processor(adapters, layout):
 
 
 def test_one_frame_videos_and_wrong_items_are_item_errors(adapters):
-    from processors.base import ItemError
+    from encode_server.models.base import ItemError
 
     adapter = adapters["qwen3_vl", "nested"]
     with pytest.raises(ItemError, match="1 frames"):
@@ -94,7 +94,7 @@ def test_a_video_processor_that_needs_torchvision_here_is_refused_at_load(checkp
     import json as json_module
     import shutil
 
-    from processors.checkpoint import CheckpointError
+    from encode_server.models.loading.checkpoint import CheckpointError
 
     folder = tmp_path / "other-video-processor"
     shutil.copytree(checkpoints["qwen3_vl"][1]["separate"], folder)
@@ -106,7 +106,7 @@ def test_a_video_processor_that_needs_torchvision_here_is_refused_at_load(checkp
 
 
 def test_the_builtin_ships_deepstack_rows():
-    from processors.registry import builtin_models
+    from encode_server.models.registry import builtin_models
 
     adapter = builtin_models()["tiny-qwen3-vl"](CPU, F32)
     assert adapter.info.deepstack == 2 and adapter.info.row_width == 3 * adapter.info.hidden_size

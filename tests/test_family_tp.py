@@ -8,13 +8,14 @@ import importlib
 import pytest
 import torch
 
-from processors.sharding import ShardingError
+from encode_server.models.sharding.blocks import ShardingError
 
 from .other_family_checkpoints import gemma3_checkpoint, llava_onevision_checkpoint, mistral3_checkpoint
 from .tp_family_worker import run_ranks
 
-BUILDERS = {"processors.gemma3": gemma3_checkpoint, "processors.llava_onevision": llava_onevision_checkpoint,
-            "processors.mistral3": mistral3_checkpoint}
+BUILDERS = {"encode_server.models.families.gemma3": gemma3_checkpoint,
+            "encode_server.models.families.llava_onevision": llava_onevision_checkpoint,
+            "encode_server.models.families.mistral3": mistral3_checkpoint}
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from PIL import Image
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from processors import load_adapter
-from processors.fast_patches import FAST_TWINS, FastQwen2VLImageProcessorPil, accelerated
+from encode_server.models import load_adapter
+from encode_server.models.inputs.fast_patches import FAST_TWINS, FastQwen2VLImageProcessorPil, accelerated
 
 QWEN25_LIMITS = dict(min_pixels=3136, max_pixels=12845056)
 

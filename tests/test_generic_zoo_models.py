@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from processors.generic import GenericAdapter
-from processors.registry import load_checkpoint
+from encode_server.models.generic.adapter import GenericAdapter
+from encode_server.models.registry import load_checkpoint
 
 from .helpers import ServerProcess, decode_embedding, rel_diff
 
@@ -123,8 +123,8 @@ def test_a_chat_template_comes_first_then_the_bare_and_the_framed_placeholder(hu
     an image turn; the framed form comes after the bare token, so processors that take a bare one keep it."""
     from transformers import AutoProcessor
 
-    from processors.chat_request import CHAT_REQUEST
-    from processors.generic_probes import placeholder_prompts
+    from encode_server.models.generic.chat_request import CHAT_REQUEST
+    from encode_server.models.generic.probes import placeholder_prompts
 
     processor = AutoProcessor.from_pretrained(hunyuan_vl[0])
     framed = "<|image_start|><|image|><|image_end|>"

@@ -209,7 +209,7 @@ def test_sharded_hub_model_reads_only_the_shards_and_ranges_of_the_encoder(hub, 
         assert hub.served[("org/tiny-sharded", name)] == size, name
 
     hub.reset_counts()  # a later start online: one request, which commit `main` is, and the same folder
-    code = "import processors; print(processors.resolve_model('org/tiny-sharded'))"
+    code = "import encode_server.models; print(encode_server.models.resolve_model('org/tiny-sharded'))"
     again = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.strip() == outcome["folder"], again.stderr

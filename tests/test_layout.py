@@ -16,6 +16,7 @@ PACKAGE = Path(encode_server.__file__).parent
 FRONTS = {"fronts.native", "fronts.sglang", "fronts.vllm"}
 #: Bottom to top. A module may import its own room and the rooms of lower layers only.
 LAYERS = [
+    {"models"},
     {"ops", "records"},
     {"media", "delivery", "scheduling", "transport"},
     {"parallel"},
@@ -74,6 +75,10 @@ def test_every_module_is_in_a_room_of_the_layout():
 def test_imports_go_down_the_layers_only():
     upward = {edge: modules for edge, modules in imports().items() if LEVEL[edge[1]] > LEVEL[edge[0]]}
     assert upward == {}
+
+
+def test_the_model_layer_imports_nothing_of_the_server():
+    assert {edge: modules for edge, modules in imports().items() if edge[0] == "models"} == {}
 
 
 def test_no_two_rooms_import_each_other():

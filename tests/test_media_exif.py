@@ -12,8 +12,8 @@ from PIL import Image
 from transformers.image_utils import load_image
 
 from encode_server.media.decoding import MediaLimits, decode_frames, decode_image
+from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings
-from processors import load_adapter
 
 from .helpers import InProcessServer
 

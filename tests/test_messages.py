@@ -88,7 +88,7 @@ def test_the_pyav_hint_names_an_install_that_exists(monkeypatch):
 
 
 def test_weights_only_in_bin_files_say_how_to_convert(tmp_path):
-    from processors.checkpoint import CheckpointError, _shard_files
+    from encode_server.models.loading.checkpoint import CheckpointError, _shard_files
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
@@ -121,13 +121,13 @@ def test_docs_are_served_without_a_cdn():
 def test_help_and_version_import_neither_torch_nor_transformers(flag):
     code = "\n".join(["import sys", "from encode_server.__main__ import main", "try:", f"    main([{flag!r}])",
                       "except SystemExit:", "    pass",
-                      "print(sorted({'torch', 'transformers', 'numpy', 'processors'} & set(sys.modules)))"])
+                      "print(sorted({'torch', 'transformers', 'numpy', 'encode_server.models'} & set(sys.modules)))"])
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-500:]
 
 
 def test_the_dtype_choices_are_the_dtype_table():
-    from processors.dtypes import DTYPES
+    from encode_server.models.dtypes import DTYPES
 
     assert DTYPE_CHOICES == tuple(DTYPES)

@@ -22,10 +22,10 @@ import torch
 from encode_server.delivery.native_wire import NativeWire
 from encode_server.delivery.sglang_wire import SglangWire, seconds_per_grid_step
 from encode_server.delivery.wire import decode_header
+from encode_server.models import BUILTIN_MODELS
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodedPart, PartMeta
 from encode_server.service import EncoderService
-from processors import BUILTIN_MODELS
 
 from .omni_checkpoints import sample_audio, sample_clips
 from .test_sglang_wire import load

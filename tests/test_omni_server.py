@@ -17,7 +17,7 @@ import numpy as np
 import soundfile
 import torch
 
-from processors import BUILTIN_MODELS
+from encode_server.models import BUILTIN_MODELS
 
 from .helpers import ServerProcess, decode_embedding
 from .omni_checkpoints import sample_audio, sample_clips, sample_images

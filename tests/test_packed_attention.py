@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from processors import load_adapter, packed_attention
-from processors.aligned_mlp import align_mlp_widths
-from processors.packed_attention import PACKED_ATTENTION, _grouped_sdpa
+from encode_server.models import load_adapter
+from encode_server.models.layers import packed_attention
+from encode_server.models.layers.aligned_mlp import align_mlp_widths
+from encode_server.models.layers.packed_attention import PACKED_ATTENTION, _grouped_sdpa
 
 GRID_TOWERS = ["tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"]
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
+from encode_server.models import ItemLayout, PreparedBatch, load_adapter
+from encode_server.models.sharding.blocks import reorder_fused_qkv
 from encode_server.parallel.channel import pack_batch, pack_result, unpack_batch, unpack_result
 from encode_server.parallel.tensor_parallel import layout_digest
-from processors import ItemLayout, PreparedBatch, load_adapter
-from processors.sharding import reorder_fused_qkv
 
 from .helpers import ServerProcess, image_b64, run_python_module
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from processors import load_adapter
-from processors.patch_embed import _as_matmul, patches_as_matmul
+from encode_server.models import load_adapter
+from encode_server.models.layers.patch_embed import _as_matmul, patches_as_matmul
 
 
 def conv3d_embedding(patch_embed: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:

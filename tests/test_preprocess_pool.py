@@ -24,10 +24,10 @@ import torch
 from PIL import Image
 
 from encode_server.media.decoding import MediaLimits, decode_bytes, decode_frames
+from encode_server.models import EncoderAdapter, PreparedBatch, load_adapter
 from encode_server.ops.settings import Settings
 from encode_server.preprocessing.pool import ItemFailure, PreprocessPool, default_preprocess_workers
 from encode_server.preprocessing.shared_tensors import SHM_DIR, SlotReader, SlotWriter, export_tensors, import_tensors
-from processors import EncoderAdapter, PreparedBatch, load_adapter
 
 CRASH_WIDTH, HANG_WIDTH = 77, 78
 LIMITS = MediaLimits.from_settings(Settings(), None)
@@ -206,7 +206,7 @@ def test_a_workers_task_puts_only_its_first_pixel_rows_in_the_slot():
 
 
 def test_the_table_lookup_processor_writes_where_it_is_told(adapters):
-    from processors.base import pixels_allocated_by
+    from encode_server.models.base import pixels_allocated_by
 
     qwen = adapters["tiny-qwen2.5-vl"]
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (90, 120, 3), dtype=np.uint8))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from processors.registry import load_checkpoint
+from encode_server.models.registry import load_checkpoint
 
 from .checkpoints import qwen25_vl_checkpoint
 

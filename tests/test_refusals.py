@@ -16,11 +16,11 @@ import torch
 from encode_server.fronts.bodies import read_limited
 from encode_server.media.decoding import MediaError, decode_audio, decode_image
 from encode_server.media.url_guard import resolve_local_path
+from encode_server.models import DeviceError, load_adapter
+from encode_server.models.base import resolve_device
+from encode_server.models.loading.checkpoint import CheckpointError
+from encode_server.models.registry import builtin_models
 from encode_server.records import EncodeError
-from processors import DeviceError, load_adapter
-from processors.base import resolve_device
-from processors.checkpoint import CheckpointError
-from processors.registry import builtin_models
 
 from .helpers import InProcessServer, image_b64, png_bytes, run_python_module
 

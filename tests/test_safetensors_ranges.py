@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from processors.hub import HubId, parse_hub_id
-from processors.safetensors_ranges import SafetensorsFormatError, copy_tensors, read_header
+from encode_server.models.loading.hub import HubId, parse_hub_id
+from encode_server.models.loading.safetensors_ranges import SafetensorsFormatError, copy_tensors, read_header
 
 
 class CountingFile(io.FileIO):

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from encode_server.delivery.sockets import DeliveryError, EmbeddingSender
-from processors.dtypes import raw_bytes as payload_view
+from encode_server.models.dtypes import raw_bytes as payload_view
 
 
 def pull_socket(rcvhwm: int = 1000) -> tuple[zmq.Socket, str]:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from processors.registry import load_checkpoint
+from encode_server.models.registry import load_checkpoint
 
 from .helpers import InProcessServer, ServerProcess, rel_diff
 from .kimi_glm5_minimax_checkpoints import CHECKPOINTS, sample_clips, sample_images

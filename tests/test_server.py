@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from processors.qwen_vl import tiny_qwen25_vl
+from encode_server.models.families.qwen2_5_vl import tiny_qwen25_vl
 
 from .helpers import InProcessServer, ServerProcess, decode_embedding, image_b64, png_bytes, rel_diff
 

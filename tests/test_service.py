@@ -17,10 +17,10 @@ import torch
 from PIL import Image
 
 from encode_server.fronts.native.routes import CLIENT_CLOSED, answer_encode
+from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
-from processors import load_adapter
 
 from .fakes import FakeClock, settle, until
 from .helpers import image_b64

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
+from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings, load_settings
 from encode_server.records import EncodeError
 from encode_server.service import batch_policy
-from processors import load_adapter
 
 from .test_service import HOLDING, body, started_service, until
 

@@ -22,8 +22,8 @@ import torch
 import zmq
 
 from encode_server.delivery.sglang_wire import SglangFrames, SglangWire, seconds_per_grid_step
+from encode_server.models import BUILTIN_MODELS, ItemLayout
 from encode_server.records import EncodedPart, PartMeta
-from processors import BUILTIN_MODELS, ItemLayout
 
 from .helpers import InProcessServer, image_b64
 from .test_sglang_wire import canonical, load

@@ -17,8 +17,8 @@ import torch
 from encode_server.cache import store_format
 from encode_server.cache.store_client import RateLimitedWarning, StoreConfig, StoreConnection
 from encode_server.cache.store_format import CorruptObject, Namespace
+from encode_server.models import ItemLayout
 from encode_server.ops.settings import load_settings
-from processors import ItemLayout
 
 
 def test_the_namespace_and_key_are_vllms():

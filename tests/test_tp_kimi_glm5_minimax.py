@@ -9,14 +9,14 @@ import importlib
 import pytest
 import torch
 
-from processors.sharding import ShardingError
+from encode_server.models.sharding.blocks import ShardingError
 
 from .kimi_glm5_minimax_checkpoints import CHECKPOINTS
 from .tp_family_worker import run_ranks
 
 pytest.importorskip("torchvision", reason="these families' transformers processors need torchvision")
 
-MODULES = {f"processors.{model_type}": build for model_type, build in CHECKPOINTS.items()}
+MODULES = {f"encode_server.models.families.{model_type}": build for model_type, build in CHECKPOINTS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from processors import qwen2_5_omni, qwen3_omni_moe
-from processors.omni import shard_audio_tower
-from processors.sharding import ShardingError
+from encode_server.models.families import qwen2_5_omni, qwen3_omni_moe
+from encode_server.models.sharding.blocks import ShardingError
+from encode_server.models.towers.omni_thinker import shard_audio_tower
 
 from .helpers import rel_diff
 from .omni_checkpoints import sample_audio, sample_clips, sample_images
 from .tp_ranks import sharded_rows
 
 CPU, F32 = torch.device("cpu"), torch.float32
-FAMILIES = {"processors.qwen2_5_omni": qwen2_5_omni.FAMILY, "processors.qwen3_omni_moe": qwen3_omni_moe.FAMILY}
+FAMILIES = {module.__name__: module.FAMILY for module in (qwen2_5_omni, qwen3_omni_moe)}
 
 
 def test_two_ranks_give_the_rows_of_one():

@@ -1,7 +1,7 @@
 """The Qwen3-VL and GLM-4V tensor-parallel plans, on two real gloo ranks, against one unsplit process.
 
-Attention heads and MLP columns are split (`processors/qwen3_vl.py`, `processors/glm4v.py`
-`shard`); the mergers, deepstack ones included, stay whole. The rows must equal the unsplit
+Attention heads and MLP columns are split (the `shard` plans of `encode_server/models/families/qwen3_vl.py` and
+`glm4v.py`); the mergers, deepstack ones included, stay whole. The rows must equal the unsplit
 model's (relative difference <= 1e-5) for fused images of different sizes and for a video.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from processors import glm4v, qwen3_vl
-from processors.sharding import ShardingError
+from encode_server.models.families import glm4v, qwen3_vl
+from encode_server.models.sharding.blocks import ShardingError
 
 from .helpers import rel_diff
 from .tp_ranks import sharded_rows
@@ -22,13 +22,13 @@ CPU, F32 = torch.device("cpu"), torch.float32
 
 def test_two_ranks_give_the_rows_of_one():
     images, clips = sample_images()[:3], sample_clips()[1:3]
-    jobs = [("processors.qwen3_vl", "tiny-qwen3-vl", "image", images),
-            ("processors.qwen3_vl", "tiny-qwen3-vl", "video", clips),
-            ("processors.glm4v", "tiny-glm4v", "image", images),
-            ("processors.glm4v", "tiny-glm4v", "video", clips)]
+    jobs = [(qwen3_vl.__name__, "tiny-qwen3-vl", "image", images),
+            (qwen3_vl.__name__, "tiny-qwen3-vl", "video", clips),
+            (glm4v.__name__, "tiny-glm4v", "image", images),
+            (glm4v.__name__, "tiny-glm4v", "video", clips)]
     got = sharded_rows(jobs)
     for (module, builtin, modality, items), rows in zip(jobs, got, strict=True):
-        family = {"processors.qwen3_vl": qwen3_vl.FAMILY, "processors.glm4v": glm4v.FAMILY}[module]
+        family = {qwen3_vl.__name__: qwen3_vl.FAMILY, glm4v.__name__: glm4v.FAMILY}[module]
         adapter = family.builtins[builtin](CPU, F32)
         want = adapter.forward(adapter.preprocess(modality, items))
         assert rows.shape == want.shape == (want.shape[0], adapter.info.row_width)

@@ -22,9 +22,9 @@ import pytest
 import torch
 from PIL import Image
 
-from processors.base import ItemError
-from processors.registry import load_checkpoint
-from processors.video_patches import CLIP_SIZING, VideoPatcher, qwen2_vl_video_settings_class
+from encode_server.models.base import ItemError
+from encode_server.models.inputs.video_patches import CLIP_SIZING, VideoPatcher, qwen2_vl_video_settings_class
+from encode_server.models.registry import load_checkpoint
 
 from .checkpoints import QWEN_VL_TOKENS, qwen2_vl_checkpoint, qwen25_vl_checkpoint, tiny_tokenizer
 from .helpers import ROOT, WITHOUT_TORCHVISION
@@ -151,7 +151,7 @@ PATCHES_WITHOUT_TORCHVISION = """
 import json, sys
 import numpy as np
 from transformers.utils import is_torchvision_available
-from processors.base import ItemError
+from encode_server.models.base import ItemError
 from tests.test_video_parity import PATCHER_CLIPS, SETTINGS, frames_of, patcher_for
 
 assert not is_torchvision_available()

@@ -31,9 +31,9 @@ import zmq
 
 from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.media.decoding import MediaLimits, decode_frames, decode_video
+from encode_server.models import ItemLayout
+from encode_server.models.inputs.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 from encode_server.records import EncodedPart, PartMeta
-from processors import ItemLayout
-from processors.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 
 from .helpers import InProcessServer, png_bytes
 from .prompt_checkpoints import VISION_PROMPTS, build, prompt_timestamps
@@ -104,7 +104,7 @@ def test_a_clip_pickles_with_its_metadata():
 def qwen3(tmp_path_factory):
     from transformers import AutoProcessor
 
-    from processors.registry import load_checkpoint
+    from encode_server.models.registry import load_checkpoint
 
     folder = build("qwen3_vl", tmp_path_factory.mktemp("timestamps") / "qwen3_vl")
     return load_checkpoint(folder, CPU, F32), AutoProcessor.from_pretrained(folder)
@@ -140,7 +140,7 @@ def test_fused_preprocess_keeps_each_clips_timestamps(qwen3):
 
 
 def test_families_whose_prefill_side_reads_no_timestamps_have_none():
-    from processors.registry import builtin_models
+    from encode_server.models.registry import builtin_models
 
     builtins = builtin_models()
     frames = VideoClip(clip(4, 64, 64, 3), 2.0, range(4))
@@ -154,7 +154,7 @@ def test_families_whose_prefill_side_reads_no_timestamps_have_none():
 def minimax(tmp_path_factory):
     from transformers import AutoProcessor
 
-    from processors.registry import load_checkpoint
+    from encode_server.models.registry import load_checkpoint
 
     from .kimi_glm5_minimax_checkpoints import minimax_m3_vl_checkpoint
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers.utils import is_torchvision_available
 
-from processors.registry import load_checkpoint
+from encode_server.models.registry import load_checkpoint
 from tests.checkpoints import internvl_checkpoint, qwen25_vl_checkpoint
 from tests.helpers import rel_diff
 from tests.test_families import internvl_reference, qwen_reference, random_image

@@ -16,7 +16,7 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
-from processors.registry import FAMILY_MODULES
+from encode_server.models.registry import FAMILY_MODULES
 
 Job = tuple[str, str, str, list]
 

@@ -65,7 +65,7 @@ def preload() -> None:
     import encode_server.__main__  # noqa: F401
     import encode_server.http.app  # noqa: F401
     import encode_server.http.draining  # noqa: F401
-    from processors.registry import families
+    from encode_server.models.registry import families
 
     families()
     assert threading.active_count() == 1, f"the zygote must not run threads, it runs {threading.enumerate()}"

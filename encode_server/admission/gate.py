@@ -20,11 +20,11 @@ from pydantic import ValidationError
 
 from encode_server.admission.schemas import EncodeRequest, describe_validation_error, request_id_of
 from encode_server.delivery.sockets import endpoint_for
+from encode_server.models import EncoderAdapter
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError, PartMeta
 from encode_server.scheduling.clock import Clock
-from processors import EncoderAdapter
 
 log = logging.getLogger("encode_server.admission.gate")
 
@@ -44,7 +44,7 @@ class Ticket:
 
 def unsupported_modality_message(adapter: EncoderAdapter, modality: str) -> str:
     """Why this server refuses `modality`, and which models (built-in ones first) encode it."""
-    from processors.registry import families_encoding
+    from encode_server.models.registry import families_encoding
 
     message = (f"model {adapter.info.name!r} does not encode {modality} "
                f"(it encodes: {', '.join(adapter.info.modalities)})")

@@ -90,7 +90,7 @@ def camera_checkpoint(folder: Path = DEFAULT_CHECKPOINT, tower: str = "tiny", de
 
 
 def camera_tower(folder: Path = DEFAULT_CHECKPOINT):
-    from processors import load_adapter
+    from encode_server.models import load_adapter
 
     return load_adapter(str(camera_checkpoint(folder)), "cpu", "float32")
 
@@ -191,9 +191,9 @@ def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
 def run_pool(adapter, images: list[bytes], batch_size: int, seconds: float, workers: int) -> dict:
     """The pool prepares batch k+1 while this process forwards batch k (`forward_items`, as the server does)."""
     from encode_server.media.decoding import MediaLimits
+    from encode_server.models import PreparedBatch
     from encode_server.ops.settings import Settings
     from encode_server.preprocessing.pool import PreprocessPool
-    from processors import PreparedBatch
 
     torch.set_num_threads(1)
     limits = MediaLimits.from_settings(Settings(), adapter)

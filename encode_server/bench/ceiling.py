@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from encode_server.__main__ import set_cpu_threads
+from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings
-from processors import load_adapter
 
 
 def ceiling(model: str, modality: str, payloads: list[str], batch_size: int, seconds: float = 5.0,

@@ -28,7 +28,7 @@ from PIL import Image
 
 
 def ceiling(model: str, payloads: list[str], batch_size: int, seconds: float, core: int) -> dict:
-    from processors import load_adapter
+    from encode_server.models import load_adapter
 
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)

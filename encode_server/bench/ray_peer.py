@@ -29,7 +29,7 @@ def build_app(model: str, max_batch_size: int, max_wait_s: float):
     @serve.ingress(api)
     class RayEncoder:
         def __init__(self) -> None:
-            from processors import load_adapter
+            from encode_server.models import load_adapter
 
             self.adapter = load_adapter(model, "auto", "auto")
             self.adapter.warmup()

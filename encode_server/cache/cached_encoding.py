@@ -22,12 +22,12 @@ from encode_server.cache.embedding_cache import CachedItem, EmbeddingCache, Item
 from encode_server.cache.store_tier import StoreTier
 from encode_server.media.decoding import MediaError, MediaLimits
 from encode_server.media.loader import LoadedItem, MediaLoader, MediaSource, RawItem, each_in_order
+from encode_server.models import EncoderAdapter
 from encode_server.ops.memory import default_cache_bytes
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodedPart, EncodeError, PartMeta, Timings
 from encode_server.scheduling.demand import Demand, SharedDemand
-from processors import EncoderAdapter
 
 #: (meta, decoded items, decode seconds, the demands of the requests waiting) -> the job's rows, through the
 #: scheduler, which orders it by the most urgent of them and hears of joins and leaves.

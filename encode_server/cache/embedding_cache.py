@@ -68,7 +68,7 @@ class CachedItem:
     """
 
     rows: torch.Tensor
-    layout: Any  # processors.ItemLayout
+    layout: Any  # encode_server.models.ItemLayout
 
     @classmethod
     def compact(cls, rows: torch.Tensor, layout: Any) -> CachedItem:
@@ -413,7 +413,7 @@ def _describe(value: Any, seen_modules: dict[int, str], depth: int) -> Any:
 
 
 def _is_adapter(value: Any) -> bool:
-    from processors import EncoderAdapter
+    from encode_server.models import EncoderAdapter
 
     return isinstance(value, EncoderAdapter)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from encode_server.delivery.destinations import WireFormat
 from encode_server.delivery.native_wire import NativeWire
 from encode_server.delivery.sglang_wire import SglangWire, seconds_per_grid_step
+from encode_server.models import EncoderAdapter
 from encode_server.ops.settings import Settings
-from processors import EncoderAdapter
 
 
 def wire_format(settings: Settings, adapter: EncoderAdapter) -> WireFormat:

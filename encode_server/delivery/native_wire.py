@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from encode_server.delivery.destinations import Frames
 from encode_server.delivery.wire import Header
+from encode_server.models import EncoderAdapter
+from encode_server.models.dtypes import DTYPE_NAMES, raw_bytes
 from encode_server.records import EncodedPart, PartMeta
-from processors import EncoderAdapter
-from processors.dtypes import DTYPE_NAMES, raw_bytes
 
 
 class NativeWire:

@@ -265,7 +265,7 @@ class SglangWire:
         self.video_fps = video_fps
 
     def success_frames(self, meta: PartMeta, part: EncodedPart) -> list[bytes | memoryview]:
-        from processors.dtypes import raw_bytes
+        from encode_server.models.dtypes import raw_bytes
 
         return [self.header(meta, part), raw_bytes(part.embedding)]
 

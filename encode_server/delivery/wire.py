@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from processors.dtypes import PAYLOAD_DTYPES
+from encode_server.models.dtypes import PAYLOAD_DTYPES
 
 WIRE_VERSION = 1
 

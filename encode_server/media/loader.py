@@ -378,5 +378,5 @@ class MediaLoader:
 def _describe(describe: Callable[[str, Any], Any], modality: str, decoded: Any, location: str) -> Any:
     try:
         return describe(modality, decoded)
-    except ValueError as exc:  # processors.ItemError is a ValueError
+    except ValueError as exc:  # encode_server.models.ItemError is a ValueError
         raise MediaError(location, str(exc)) from None

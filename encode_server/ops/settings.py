@@ -42,7 +42,7 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"expected true or false (or 1/0, yes/no, on/off), got {text!r}")
 
 
-#: `--dtype` values besides auto: the names of `processors.dtypes.DTYPES`, written out so that reading the
+#: `--dtype` values besides auto: the names of `encode_server.models.dtypes.DTYPES`, written out so that reading the
 #: settings (and `--help`, `--version`) never imports torch.
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -98,8 +98,8 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("--model", str, "tiny-qwen2.5-vl",
            "a built-in model name (such as tiny-qwen2.5-vl), the path of a local Hugging Face checkpoint "
-           "folder whose model_type a family serves (`python -m processors.registry` lists both), or a Hub id "
-           "org/name[@revision], of which only the encoder's tensors are downloaded (HF_HOME, HF_TOKEN, "
+           "folder whose model_type a family serves (`python -m encode_server.models.registry` lists both), or a "
+           "Hub id org/name[@revision], of which only the encoder's tensors are downloaded (HF_HOME, HF_TOKEN, "
            "HF_HUB_OFFLINE apply)"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),

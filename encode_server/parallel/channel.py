@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from processors import ItemLayout
-from processors.dtypes import DTYPE_NAMES, DTYPES, raw_bytes, storage_dtype
+from encode_server.models import ItemLayout
+from encode_server.models.dtypes import DTYPE_NAMES, DTYPES, raw_bytes, storage_dtype
 
 
 def pack_batch(batch_id: int, modality: str, raw_items: list[bytes | list[bytes]]) -> list[bytes]:

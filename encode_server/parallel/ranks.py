@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import zmq
 
+from encode_server.models import EncoderAdapter, ItemLayout, PreparedBatch, resolve_device
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_batch, unpack_result
 from encode_server.parallel.worker import START_FAILED
-from processors import EncoderAdapter, ItemLayout, PreparedBatch, resolve_device
 
 log = logging.getLogger("encode_server.parallel.ranks")
 

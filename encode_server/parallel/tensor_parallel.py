@@ -1,6 +1,6 @@
 """Applying a family's tensor-parallel plan, and the batch-layout digest ranks agree on.
 
-Each family declares its own plan (`Family.shard`, built from `processors/sharding.py`); a family
+Each family declares its own plan (`Family.shard`, built from `encode_server/models/sharding/blocks.py`); a family
 without one cannot run with `--tp-size > 1`, and `shard_encoder` says so at start-up.
 """
 
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from processors import EncoderAdapter, PreparedBatch
-from processors.registry import family_named
-from processors.sharding import ShardingError
+from encode_server.models import EncoderAdapter, PreparedBatch
+from encode_server.models.registry import family_named
+from encode_server.models.sharding.blocks import ShardingError
 
 __all__ = ["ShardingError", "agree_on_layout", "layout_digest", "shard_encoder"]
 

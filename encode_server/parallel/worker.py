@@ -27,10 +27,10 @@ import torch
 import zmq
 
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
+from encode_server.models import load_adapter
 from encode_server.ops.logs import configure_logging, route_library_logs
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_result, unpack_batch
-from processors import load_adapter
 
 log = logging.getLogger("encode_server.parallel.worker")
 
@@ -93,7 +93,7 @@ START_FAILED = 3
 def main(argv: list[str] | None = None) -> None:
     """Run a rank; a start-up failure is one line (none for a sharding error, which rank 0 meets and reports
     too), never a traceback, and exits `START_FAILED`."""
-    from processors.sharding import ShardingError
+    from encode_server.models.sharding.blocks import ShardingError
 
     try:
         serve_rank(argv)

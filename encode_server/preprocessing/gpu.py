@@ -26,7 +26,7 @@ class PreprocessDeviceError(ValueError):
 
 def pil_backend_class(pil_processor: Any) -> type:
     """The `transformers` PIL-backend class of a processor: its own class, or for our table-lookup copies
-    (`processors/fast_patches.py`) the stock class they derive from."""
+    (`encode_server/models/inputs/fast_patches.py`) the stock class they derive from."""
     for cls in type(pil_processor).__mro__:
         if cls.__name__.endswith("Pil") and ".image_processing_pil_" in cls.__module__:
             return cls

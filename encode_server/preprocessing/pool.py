@@ -57,10 +57,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encode_server.media.decoding import MediaLimits
+from encode_server.models import EncoderAdapter, PreparedBatch
 from encode_server.preprocessing.process import WorkerHandle, worker_context
 from encode_server.preprocessing.shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
 from encode_server.preprocessing.tasks import Submission, SubmissionFuture, Task, TaskQueue
-from processors import EncoderAdapter, PreparedBatch
 
 log = logging.getLogger("encode_server.preprocessing.pool")
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from encode_server.media.decoding import MediaLimits
+from encode_server.models import EncoderAdapter, PreparedBatch
+from encode_server.models.base import new_pixels, pixels_allocated_by
 from encode_server.preprocessing.shared_tensors import SlotWriter, export_tensors
-from processors import EncoderAdapter, PreparedBatch
-from processors.base import new_pixels, pixels_allocated_by
 
 log = logging.getLogger("encode_server.preprocessing.worker")
 
@@ -32,7 +32,7 @@ def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, ra
                  location: str) -> PreparedBatch:
     """Decode one item's bytes and run the family's `preprocess` on it alone (what a worker does)."""
     from encode_server.media.decoding import MediaError, decode_bytes, decode_frames
-    from processors import ItemError
+    from encode_server.models import ItemError
 
     if isinstance(raw, list):
         item = decode_frames(raw, limits, location)
@@ -106,7 +106,7 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
                 inputs = prepared.inputs
             timings = (time.perf_counter() - started, time.process_time() - cpu_started)
             message = ("done", task_id, (inputs, prepared.layouts, prepared.extras), timings)
-        except (MediaError, ValueError) as exc:  # processors.ItemError is a ValueError
+        except (MediaError, ValueError) as exc:  # encode_server.models.ItemError is a ValueError
             message = ("failed", task_id, (400, str(exc)), None)
         except Exception as exc:
             message = ("failed", task_id, (500, f"{location}: preprocessing failed: {type(exc).__name__}: {exc}"),

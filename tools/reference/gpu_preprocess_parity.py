@@ -23,8 +23,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from encode_server.models import load_adapter  # noqa: E402
 from encode_server.preprocessing.gpu import DeviceImageProcessor  # noqa: E402
-from processors import load_adapter  # noqa: E402
 
 SIZES = [(56, 56), (300, 120), (90, 500), (640, 480), (1280, 720)]
 

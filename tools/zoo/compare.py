@@ -44,7 +44,7 @@ def sample_clips() -> list[Any]:
     """Clips of random frames with where they come from (`VideoClip`: the item the server's decoder makes)."""
     from PIL import Image
 
-    from processors.video_clip import VideoClip
+    from encode_server.models.inputs.video_clip import VideoClip
 
     clips = []
     for seed, (count, width, height, step) in enumerate(CLIPS):
@@ -253,7 +253,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_modality(adapter: Any, refs: list[torch.Tensor], items: list[Any], modality: str) -> tuple[str, str]:
-    from processors.base import ItemError
+    from encode_server.models.base import ItemError
 
     info = adapter.info
     width = info.hidden_size if info.deepstack_of(modality) else None
@@ -335,8 +335,8 @@ def run_type(model_type: str, work: Path) -> list[dict]:
     if not references:
         return out
     del model
-    from processors.checkpoint import CheckpointError
-    from processors.registry import load_checkpoint
+    from encode_server.models.loading.checkpoint import CheckpointError
+    from encode_server.models.registry import load_checkpoint
 
     try:
         adapter = load_checkpoint(folder, torch.device("cpu"), torch.float32)

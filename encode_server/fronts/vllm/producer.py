@@ -51,11 +51,11 @@ from encode_server.fronts.vllm.video import (
 )
 from encode_server.media.decoding import MediaError
 from encode_server.media.loader import each_in_order
+from encode_server.models.base import ItemLayout
+from encode_server.models.registry import family_named
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
-from processors.base import ItemLayout
-from processors.registry import family_named
 
 log = logging.getLogger("encode_server.fronts.vllm.producer")
 

@@ -1,0 +1,224 @@
+"""The generic path's start-up measurements: which tokens a model fills with an item's features, and whether items
+run as one forward give each item's rows alone (`PlaceholderProbes`, mixed into `adapter.GenericAdapter`), with
+the probe items and the prompts they run in.
+
+Each probe size runs three times: item A with text embeddings of zeros, item A with a patterned text embedding,
+and item B (same size, other content) with zeros. A token is a placeholder if the rows at its positions change
+with the item; they must not change with the text embedding. Whatever cannot be served raises a
+`CheckpointError` naming why.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from encode_server.models.base import ModelInfo
+from encode_server.models.generic.chat_request import CHAT_REQUEST
+from encode_server.models.generic.joined_inputs import joined_inputs
+from encode_server.models.inputs.video_clip import VideoClip
+from encode_server.models.loading.checkpoint import CheckpointError
+
+log = logging.getLogger("encode_server.models.generic")
+
+PROBE_IMAGES = ((72, 96), (200, 120), (130, 260))  # (height, width) of the start-up probes
+PROBE_AUDIO_SECONDS = (1.3, 3.1)
+PROBE_CLIPS = ((4, 72, 96), (8, 120, 80))  # (frames, height, width)
+PROBE_CLIP_FPS = 2.0
+MODALITY_PROCESSORS = {"image": ("image_processor",), "audio": ("feature_extractor", "audio_processor"),
+                       "video": ("video_processor",)}
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def token_text(source: Any, name: str) -> str | None:
+    """A processor's or tokenizer's token attribute as text (an `AddedToken`'s content), or None."""
+    token = getattr(source, name, None)
+    token = getattr(token, "content", token)
+    return token if isinstance(token, str) and token else None
+
+
+def placeholder_prompts(processor: Any, modality: str) -> list[str]:
+    """Prompts holding one placeholder: the chat template's (with the framing it writes), then the bare token,
+    then the token between the start and end tokens the processor names (`<image_start><image><image_end>`:
+    a processor that refuses a bare placeholder expects that form where its folder ships no template); then an
+    empty text, for processors that insert the placeholders themselves; last, for images and audio, the item
+    alone in a chat request (`generic/chat_request.py`), for processors that take media no other way."""
+    prompts = []
+    tokenizer = getattr(processor, "tokenizer", None)
+    if getattr(processor, "chat_template", None):
+        try:
+            prompts.append(processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": modality}]}], tokenize=False, add_generation_prompt=False))
+        except Exception:  # noqa: BLE001 (a template that cannot render a bare item: try the token alone)
+            pass
+    framed = []
+    for source in (processor, tokenizer):
+        for name in (f"{modality}_token", f"{modality}_placeholder_token"):  # the latter: what a prompt holds
+            token = token_text(source, name)
+            if token is not None and token not in prompts:
+                prompts.append(token)
+            start, end = token_text(source, f"{modality}_start_token"), token_text(source, f"{modality}_end_token")
+            if token is not None and start is not None and end is not None:
+                framed.append(start + token + end)
+    prompts.extend(prompt for prompt in dict.fromkeys(framed) if prompt not in prompts)
+    prompts.append("")  # processors that insert the placeholders themselves (e.g. before the text)
+    if modality in ("image", "audio") and callable(getattr(processor, "apply_chat_template", None)):
+        prompts.append(CHAT_REQUEST)  # processors that take media only in a chat request (Voxtral)
+    return prompts
+
+
+class PlaceholderProbes:
+    """The start-up probes of an adapter that runs a model's forward up to its language model. Uses the adapter's
+    `processor`, `embedding` (its `pattern` switch), `language_model_inputs`, `_process`, `_prepare_one`,
+    `_rows`, `_part`, `hidden_size`, `sampling_rate`, `dtype`, `device`, `name` and `model_type`; `probe` fills
+    its `filled`, `prompts`, `batchable`, `placeholders` and `info`."""
+
+    def _probe_run(self, inputs: dict[str, Any], pattern: bool) -> torch.Tensor:
+        self.embedding.pattern = pattern
+        try:
+            return self.language_model_inputs(inputs)[0].to("cpu", torch.float64)
+        finally:
+            self.embedding.pattern = False
+
+    def _probe_inputs(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
+        try:
+            inputs = self._process(modality, item, prompt)
+        except Exception as exc:  # noqa: BLE001 (the processor's own code failed on this input: named)
+            raise CheckpointError(f"its processor fails on a probe ({first_line(exc)})") from None
+        prompt_reading = [key for key in inputs if key.endswith("input_ids") and key != "input_ids"]
+        if prompt_reading:
+            raise CheckpointError(f"its features depend on the prompt's text ({', '.join(prompt_reading)} reach the "
+                                  "media encoder), which an encode request does not carry")
+        return inputs
+
+    def _probe_rows(self, inputs: dict[str, Any], pattern: bool) -> torch.Tensor:
+        try:
+            rows = self._probe_run(inputs, pattern)
+        except Exception as exc:  # noqa: BLE001 (the model's own code failed on this input: named)
+            raise CheckpointError(f"the model's forward fails on a probe ({first_line(exc)})") from None
+        if rows.shape[-1] != self.hidden_size:
+            raise CheckpointError(f"the language model's inputs are {rows.shape[-1]} wide, not the text hidden size "
+                                  f"{self.hidden_size}")
+        return rows
+
+    def same_rows(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Per position: whether two runs' rows agree within the dtype's rounding (bitwise on a deterministic
+        float32 CPU run; a GPU kernel may reorder sums between runs)."""
+        tolerance = 0.0 if self.dtype == torch.float32 and self.device.type == "cpu" else \
+            1e-5 if self.dtype == torch.float32 else 1e-2
+        scale = max(float(a.abs().max()), float(b.abs().max()), 1e-30)
+        return ((a - b).abs() <= tolerance * scale).all(-1)
+
+    def filled_tokens(self, modality: str, prompt: str) -> torch.Tensor:
+        """The placeholder token ids: those whose rows carry the item's features, measured on the probes (or a
+        `CheckpointError` naming why none can be served).
+
+        Each probe size runs three times: item A with text embeddings of zeros, item A with a patterned text
+        embedding, and item B (same size, other content) with zeros. A position whose row is the same under
+        both text embeddings holds what the model computed there; a token is a placeholder if some of its
+        positions change with the item. Every position of a placeholder must be independent of the text
+        embedding (else the model mixes its features into text this server does not hold); tokens the model
+        fills with constants (framing embedded by the model itself) are not rows."""
+        placeholders: set[int] = set()
+        text_bound: set[int] = set()
+        for item, other in probe_items(modality, self.sampling_rate):
+            inputs = self._probe_inputs(modality, item, prompt)
+            other_inputs = self._probe_inputs(modality, other, prompt)
+            ids = inputs["input_ids"][0]
+            if not torch.equal(ids, other_inputs["input_ids"][0]):
+                raise CheckpointError("two probe items of the same size get different placeholder tokens")
+            zeros, patterned = self._probe_rows(inputs, False), self._probe_rows(inputs, True)
+            if not bool(self.same_rows(zeros, self._probe_rows(inputs, False)).all()):
+                raise CheckpointError("its forward is not deterministic: two runs on the same item give different "
+                                      "rows (the model samples noise), so no rows are the model's")
+            other_zeros = self._probe_rows(other_inputs, False)
+            independent = self.same_rows(zeros, patterned)
+            varies = ~self.same_rows(zeros, other_zeros)
+            mixed = varies & ~independent
+            if bool(mixed.any()):
+                raise CheckpointError(f"{int(mixed.sum())} positions (tokens {sorted(set(ids[mixed].tolist()))[:8]}) "
+                                      "mix the model's features with the text embedding, which this server does "
+                                      "not hold")
+            placeholders.update(ids[varies].tolist())
+            text_bound.update(ids[~independent].tolist())
+        if not placeholders:
+            raise CheckpointError(f"no token of a {modality} prompt carries the item's features")
+        partly = placeholders & text_bound
+        if partly:
+            raise CheckpointError(f"tokens {sorted(partly)} hold features at some positions and the text embedding at "
+                                  "others, so rows cannot be counted from the tokens")
+        return torch.tensor(sorted(placeholders))
+
+    def joins_exactly(self, modality: str) -> bool:
+        """Whether two same-size probe items run as one forward give the rows each gives alone (within the
+        dtype's rounding): then items whose inputs join are batched."""
+        pair = [self._prepare_one(modality, item) for item in probe_items(modality, self.sampling_rate)[0]]
+        joined = joined_inputs([inputs for inputs, _ in pair])
+        if joined is None:
+            return False
+        try:
+            embeds = self.language_model_inputs(joined)
+        except Exception as exc:  # noqa: BLE001 (the model does not take them together: one at a time then)
+            log.info("%s: %s items run one at a time (%s)", self.name, modality, first_line(exc))
+            return False
+        tolerance = 1e-5 if self.dtype == torch.float32 else 2e-2
+        for index, (inputs, layout) in enumerate(pair):
+            together = self._rows(modality, embeds[index], inputs["input_ids"], layout).double()
+            alone = self._rows(modality, self.language_model_inputs(inputs)[0], inputs["input_ids"], layout).double()
+            if (together - alone).abs().max() > tolerance * alone.abs().max():
+                return False
+        return True
+
+    def probe(self, folder: Path) -> None:
+        """Find, per modality the processor has, the prompt and filled tokens; keep the modalities that pass."""
+        reasons = {}
+        for modality in MODALITY_PROCESSORS:
+            if self._part(modality) is None:
+                continue
+            for prompt in placeholder_prompts(self.processor, modality):
+                try:
+                    self.filled[modality] = self.filled_tokens(modality, prompt)
+                    self.prompts[modality] = prompt
+                    self.batchable[modality] = self.joins_exactly(modality)
+                    break
+                except CheckpointError as exc:
+                    reasons.setdefault(modality, str(exc))  # the first prompt's failure: the others are fallbacks
+        if not self.filled:
+            why = "; ".join(f"{modality}: {reason}" for modality, reason in reasons.items()) or \
+                "its processor has neither an image processor nor a feature extractor"
+            raise CheckpointError(f"{folder}: model_type {self.model_type!r}: no modality can be served exactly "
+                                  f"({why})")
+        for modality, reason in reasons.items():
+            if modality not in self.filled:
+                log.warning("%s: %s is not served: %s", self.name, modality, reason)
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        self.placeholders = {modality: [tokenizer.convert_ids_to_tokens(int(t)) if tokenizer else str(int(t))
+                                        for t in ids] for modality, ids in self.filled.items()}
+        self.info = ModelInfo(name=self.name, family=self.model_type, modalities=tuple(self.filled),
+                              hidden_size=self.hidden_size, placeholder_tokens=self.placeholders)
+
+
+def probe_items(modality: str, sampling_rate: int) -> list[tuple[Any, Any]]:
+    """Start-up probes: pairs of images of several shapes (audio clips of several lengths, videos of several
+    frame counts and sizes), the two of a pair of the same size and different content (fixed seeds)."""
+    def image(seed: int, height: int, width: int) -> Image.Image:
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+    def clip(seed: int, seconds: float) -> np.ndarray:
+        return (np.random.default_rng(seed).standard_normal(int(seconds * sampling_rate)) * 0.1).astype(np.float32)
+
+    if modality == "image":
+        return [(image(seed, *size), image(seed + 100, *size)) for seed, size in enumerate(PROBE_IMAGES)]
+    if modality == "video":
+        return [(VideoClip([image(seed * 10 + f, h, w) for f in range(frames)], PROBE_CLIP_FPS, range(frames)),
+                 VideoClip([image(seed * 10 + f + 100, h, w) for f in range(frames)], PROBE_CLIP_FPS, range(frames)))
+                for seed, (frames, h, w) in enumerate(PROBE_CLIPS)]
+    return [(clip(seed, seconds), clip(seed + 100, seconds)) for seed, seconds in enumerate(PROBE_AUDIO_SECONDS)]
