@@ -22,10 +22,10 @@ from encode_server.fronts.base import Front
 from encode_server.fronts.native.routes import NativeFront
 from encode_server.fronts.sglang.front import SglangFront
 from encode_server.fronts.vllm.front import VllmFront
+from encode_server.models import DTYPE_NAMES, EncoderAdapter
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import WorkerGroup
 from encode_server.service import EncoderService
-from encode_server.models import DTYPE_NAMES, EncoderAdapter
 
 log = logging.getLogger("encode_server.startup")
 

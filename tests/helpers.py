@@ -193,7 +193,6 @@ class InProcessServer(MetricsReader):
         import uvicorn
 
         from encode_server.http.app import create_app
-        from encode_server.models import load_adapter, resolve_model
         from encode_server.ops.settings import load_settings
         from encode_server.runtime import load_encoder
 

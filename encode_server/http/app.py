@@ -16,8 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import encode_server
 from encode_server.http.error_log import ErrorAnswerLog
-from encode_server.models import load_adapter
-from encode_server.models.dtypes import DTYPE_NAMES
 from encode_server.ops.setting_values import exempt_networks, in_networks
 from encode_server.ops.settings import Settings
 from encode_server.records import error_body
