@@ -120,6 +120,32 @@ async def test_overload_is_503_with_retry_after(holding):
     assert all(response["batch_size"] == 3 for response in await asyncio.gather(*held))
 
 
+async def test_rows_for_a_producer_go_through_the_same_admission_and_batches(holding):
+    service, clock = holding
+    held = [asyncio.ensure_future(service.encode(body(f"held-{i}"))) for i in range(2)]
+    rows = asyncio.ensure_future(service.encode_rows("rows", "image", [base64.b64decode(image_of("rows"))]))
+    await until(lambda: service.pending == 3)
+    with pytest.raises(EncodeError) as refused:
+        await service.encode_rows("one-too-many", "image", [base64.b64decode(image_of("one-too-many"))])
+    assert refused.value.status == 503 and refused.value.req_id == "one-too-many"
+    await until(lambda: service.scheduler.queue_depth == 3)
+    await clock.advance(3.0)
+    part = await rows
+    assert part.batch_size == 3 and part.embedding.shape[0] == sum(layout.tokens for layout in part.layouts)
+    assert all(response["batch_size"] == 3 for response in await asyncio.gather(*held))
+    assert requests(service, "200") == 3 and service.pending == 0
+
+
+async def test_drain_listeners_are_told_once_as_draining_begins(adapter):
+    async with started_service(HOLDING, adapter) as (service, _):
+        told = []
+        service.on_drain(lambda: told.append(service.admission.draining))
+        assert told == []
+        service.begin_drain()
+        service.give_up("a second signal")  # drains again: the listeners are not told twice
+        assert told == [True]
+
+
 async def test_deadline_is_504_and_the_request_never_reaches_the_encoder(holding):
     service, clock = holding
     before = forwards(service)

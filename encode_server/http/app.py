@@ -75,7 +75,6 @@ def create_app(settings: Settings, adapter=None, group=None):
     # (an air-gapped node, a cluster without egress) FastAPI's default pages load nothing and stay blank.
     app = FastAPIOffline(title="encode-server", version=encode_server.__version__, lifespan=lifespan,
                          static_url=DOCS_ASSETS)
-    app.state.runtime = runtime
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
