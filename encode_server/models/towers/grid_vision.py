@@ -46,9 +46,9 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype,
                  video_timestamps: bool = False) -> None:
-        from encode_server.models.inputs.fast_patches import (
-            accelerated,  # imports transformers' Qwen2-VL and GLM-4V processors
-        )
+        # Imported here: it imports transformers' Qwen2-VL and GLM-4V processors.
+        from encode_server.models.inputs.fast_patches import accelerated
+
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
