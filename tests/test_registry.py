@@ -66,6 +66,15 @@ def test_the_model_layer_knows_nothing_of_the_server_and_checkpoint_imports_no_f
     assert not checkpoint & (family_modules | {"encode_server.models.registry"})
 
 
+def test_shared_parts_of_the_model_layer_import_no_family():
+    """Families build on towers, inputs, layers, loading and sharding, never the other way round."""
+    for part in ("towers", "inputs", "layers", "loading", "sharding"):
+        for path in (MODELS / part).rglob("*.py"):
+            imported = {name for name in imported_modules(path) if name.startswith(
+                ("encode_server.models.families", "encode_server.models.generic"))}
+            assert not imported, path
+
+
 def test_importing_the_families_stays_cheap():
     code = ("import sys, encode_server.models.registry as r; r.families(); "
             "print(sorted({m for m in sys.modules if m == 'transformers' or m.startswith('transformers.') "

@@ -40,11 +40,10 @@ import numpy as np
 import torch
 
 from encode_server.models.base import ItemError, ItemLayout, ModelInfo, PreparedBatch
-from encode_server.models.families.qwen2_5_vl import image_size_of, run_qwen_tower
 from encode_server.models.family import Family
 from encode_server.models.inputs.video_patches import VideoPatcher, load_video_processor
 from encode_server.models.loading.checkpoint import CheckpointError
-from encode_server.models.towers.grid_vision import GridVisionAdapter
+from encode_server.models.towers.grid_vision import GridVisionAdapter, qwen_image_size_of, run_qwen_tower
 
 MODALITIES = ("image", "video", "audio")
 
@@ -64,7 +63,7 @@ class Dots3NoteAdapter(GridVisionAdapter):
         hidden = int(config.text_config.hidden_size)
         info = ModelInfo(name=name, family="dots3_note", modalities=MODALITIES, hidden_size=hidden)
         super().__init__(info, vision_tower, image_processor, VideoPatcher(video_processor),
-                         image_size_of(image_processor), run_qwen_tower, device, dtype)
+                         qwen_image_size_of(image_processor), run_qwen_tower, device, dtype)
         self.encoder["audio"] = audio_tower.to(device=device, dtype=dtype).eval()
         audio = config.audio_config
         mismatched = [(what, ours, theirs) for what, ours, theirs in (

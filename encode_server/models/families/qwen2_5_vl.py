@@ -24,9 +24,9 @@ from encode_server.models.family import Family
 from encode_server.models.inputs.video_patches import VideoPatcher, qwen2_vl_video_settings_class
 from encode_server.models.towers.grid_vision import (
     GridVisionAdapter,
-    ImageSize,
     load_grid_tower,
-    resize_rule,
+    qwen_image_size_of,
+    run_qwen_tower,
     shard_grid_blocks,
 )
 
@@ -41,25 +41,6 @@ _TOWERS = {
 _NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen2_vl": "Qwen2-VL"}
 
 
-def qwen_image_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's `smart_resize` of one image."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-
-
-def image_size_of(image_processor: Any) -> ImageSize:
-    """How the Qwen2-VL image processor (PIL or torchvision backend) sizes an image."""
-    size = image_processor.size
-    return resize_rule(qwen_image_size, image_processor,
-                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
-                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
-
-
-def run_qwen_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
-    return tower(pixels, grid_thw=grid).pooler_output
-
-
 def build_adapter(name: str, family: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
                   device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
     config = tower.config
@@ -67,7 +48,7 @@ def build_adapter(name: str, family: str, tower: torch.nn.Module, image_processo
     width = getattr(config, "out_hidden_size", None) or config.hidden_size
     info = ModelInfo(name=name, family=family, modalities=("image", "video"), hidden_size=int(width))
     return GridVisionAdapter(info, tower, image_processor, VideoPatcher(video_processor),
-                             image_size_of(image_processor), run_qwen_tower, device, dtype)
+                             qwen_image_size_of(image_processor), run_qwen_tower, device, dtype)
 
 
 def load_qwen_vision(folder: Path, device: torch.device, dtype: torch.dtype, family: str) -> EncoderAdapter:

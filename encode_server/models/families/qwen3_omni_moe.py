@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from encode_server.models.families.qwen3_vl import run_qwen3_tower
 from encode_server.models.family import Family
+from encode_server.models.towers.grid_vision import run_qwen3_tower
 from encode_server.models.towers.omni_audio import OmniAudioRule
 from encode_server.models.towers.omni_thinker import (
     OmniSpec,

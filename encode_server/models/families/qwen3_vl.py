@@ -26,10 +26,16 @@ from typing import Any
 import torch
 
 from encode_server.models.base import EncoderAdapter, ModelInfo
-from encode_server.models.families.qwen2_5_vl import image_size_of
 from encode_server.models.family import Family
 from encode_server.models.inputs.video_patches import VideoPatcher
-from encode_server.models.towers.grid_vision import GridVisionAdapter, load_grid_tower, shard_grid_blocks
+from encode_server.models.towers.grid_vision import (
+    GridVisionAdapter,
+    deepstack_count,
+    load_grid_tower,
+    qwen_image_size_of,
+    run_qwen3_tower,
+    shard_grid_blocks,
+)
 
 BUILTIN_SEED = 1234
 
@@ -46,24 +52,13 @@ _TOWERS = {
 }
 
 
-def deepstack_count(vision_config: Any) -> int:
-    return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
-
-
-def run_qwen3_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
-    """The main rows, then each deepstack block, side by side: `[tokens, hidden * (1 + k)]`."""
-    output = tower(pixels, grid_thw=grid)
-    deepstack = list(getattr(output, "deepstack_features", None) or [])
-    return torch.cat([output.pooler_output, *deepstack], dim=-1) if deepstack else output.pooler_output
-
-
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
                   device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
     config = tower.config
     info = ModelInfo(name=name, family="qwen3_vl", modalities=("image", "video"),
                      hidden_size=int(config.out_hidden_size), deepstack=deepstack_count(config))
     video = VideoPatcher(video_processor)
-    return GridVisionAdapter(info, tower, image_processor, video, image_size_of(image_processor), run_qwen3_tower,
+    return GridVisionAdapter(info, tower, image_processor, video, qwen_image_size_of(image_processor), run_qwen3_tower,
                              device, dtype, video_timestamps=True)
 
 

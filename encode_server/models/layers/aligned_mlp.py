@@ -2,9 +2,7 @@
 
 Qwen2.5-VL's vision blocks (every published size) have an MLP width of 3,420, which is not a multiple of
 8: the gate and up projections' outputs and the down projection's input then have a row length the fast
-bfloat16 kernels of cuBLAS cannot take. On an H100, with the 7B tower on eight camera images, the
-matrix multiplies fell back to Ampere-generation kernels and took 46% of the tower's GPU time
-(`scripts/gpu_camera.py --parts profile`).
+bfloat16 kernels of cuBLAS cannot take, so those matrix multiplies fall back to older, slower kernels.
 
 `align_mlp_widths` pads such a width (one that is not a multiple of 8; Qwen3-VL's 4,304 and GLM-4V's
 13,696 are left alone) up to a multiple of 64: the first linear(s) get zero output rows

@@ -4,14 +4,13 @@ The towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4V attend within s
 sequence (`cu_seqlens`: each image, or each 8x8-patch window in Qwen2.5-VL's windowed blocks); so do the
 audio towers of Qwen2.5-Omni and Qwen3-Omni (each chunk or attention window of each clip). Unless a
 flash-attention implementation is configured, `transformers` splits the sequence and calls SDPA once per
-segment: a batch of eight camera images has ~1,000 windows, so each windowed block makes ~1,000 small
-calls, launch-bound on a GPU and a Python loop on a CPU. Configured with `PACKED_ATTENTION` (its name holds
+segment: a batch of large images has hundreds of windows or more, so each windowed block makes as many
+small calls, launch-bound on a GPU and a Python loop on a CPU. Configured with `PACKED_ATTENTION` (its name holds
 "flash", which makes `transformers` hand over `cu_seqlens` instead of looping), the tower calls
 `packed_attention` once per block, which runs
 
-- one SDPA call per distinct segment length, the segments of that length gathered into one batch (a
-  camera image's windows come in four lengths or fewer): on an H100 with Qwen2.5-VL-7B's tower and
-  eight camera images, 1,716 -> 584 ms, with exactly the loop's rows;
+- one SDPA call per distinct segment length, the segments of that length gathered into one batch (an
+  image's windows come in four lengths at most), with exactly the loop's rows;
 - or, where `use_varlen` is set, on CUDA in half precision: `torch.nn.attention.varlen.varlen_attn` (flash
   attention over the packed sequence, one kernel for every segment; see `use_varlen`).
 
@@ -35,11 +34,9 @@ try:  # torch >= 2.9 on CUDA builds
 except ImportError:  # pragma: no cover - depends on the torch build
     _varlen_attn, _VARLEN_TAKES_SCALE = None, False
 
-#: Whether `packed_attention` may use `varlen_attn` on CUDA. Off by default: on an H100 (Qwen2.5-VL-7B's
-#: tower, bf16, eight camera images) it was 8% faster than the grouped SDPA calls (539 vs 584 ms) but its rows
-#: were 1.5% (relative norm) from transformers' loop, where the grouped calls matched it exactly; whether
-#: that is bf16 rounding of another kernel or a fault was not settled against a float32 reference there
-#: (`scripts/gpu_camera.py` now reports that distance), so the exact path is the default.
+#: Whether `packed_attention` may use `varlen_attn` on CUDA. Off by default: its rows differ from `transformers`'
+#: loop in bfloat16 where the grouped SDPA calls match it exactly, and whether that is only another kernel's
+#: rounding is not settled, so the exact path is the default.
 use_varlen = False
 
 

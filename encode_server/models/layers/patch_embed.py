@@ -2,18 +2,15 @@
 
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4V embed each patch row (`C x T x P x P` values) with
 `Conv3d(kernel_size == stride)`: the kernel covers the whole input, so the convolution is exactly
-`rows @ weight.view(out, -1).T + bias`, but torch runs it as a general 3-D convolution. The matrix
-multiply gives the same values up to float rounding (summation order) and is faster: on one CPU core,
-a 1280x720 image (4,784 rows) through the real Qwen2.5-VL embedding (1,176 -> 1,280) took 445 ms as a
-Conv3d and 164 ms as a matrix multiply (max abs difference 5e-6 on values up to 3); the tiny camera
-tower's 10.5 -> 8.5 ms (`python scripts/patch_embed_timing.py`). The module keeps its Conv3d
+`rows @ weight.view(out, -1).T + bias`, which runs faster as that matrix multiply than as torch's general
+3-D convolution, with the same values up to float rounding (summation order). The module keeps its Conv3d
 parameters (names, sharding, checkpoints unchanged); only its `forward` is replaced, and only when the
 convolution is exactly that shape.
 
 The embedding also takes the pixel rows of a batch's items as separate tensors (`forward_items` of the
 Qwen-grid adapters, fed by the preprocessing pool): the tower's forward hands its pixels to the patch
-embedding before anything else reads them, so a batch of camera images (~290 MB of float32 rows for
-eight) is never concatenated; only the embedded rows are.
+embedding before anything else reads them, so a batch's float32 pixel rows, its largest tensors, are never
+concatenated; only the embedded rows are.
 """
 
 from __future__ import annotations
@@ -53,8 +50,8 @@ def patches_as_matmul(patch_embed: torch.nn.Module) -> bool:
 
 def to_host(rows: torch.Tensor) -> torch.Tensor:
     """The rows in host memory; from a GPU through page-locked memory, which copies several times faster
-    than to pageable memory (eight camera images through the 7B tower: 111 MB, 35 ms pageable on an H100)
-    and comes from torch's caching host allocator, so a batch's buffer is reused once freed."""
+    than to pageable memory and comes from torch's caching host allocator, so a batch's buffer is reused
+    once freed."""
     if rows.device.type != "cuda":
         return rows.to("cpu").contiguous()
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)

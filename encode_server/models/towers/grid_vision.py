@@ -6,7 +6,8 @@ groups of `temporal_patch_size` frames; an image is one group) and merge every `
 output row: `t * h * w / merge^2` rows per item. Images go
 through the folder's image processor (as `AutoImageProcessor` resolves it) in one call for the batch;
 videos through `VideoPatcher` (the folder's video processor settings). What differs per family is how the image
-size is chosen (`image_size`) and how the tower is run (`run_tower`, which returns the rows).
+size is chosen (`image_size`) and how the tower is run (`run_tower`, which returns the rows); the Qwen2-VL image
+processor's sizing and the Qwen towers' run functions, which several families use, are here.
 
 Rows never depend on the items fused beside them: these towers attend within each item only (or within
 windows of it, Qwen2.5-Omni's), and their position embeddings come from each item's own grid.
@@ -46,9 +47,9 @@ class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
     def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
                  image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype,
                  video_timestamps: bool = False) -> None:
-        from encode_server.models.inputs.fast_patches import (
-            accelerated,  # imports transformers' Qwen2-VL and GLM-4V processors
-        )
+        # Imported here: it imports transformers' Qwen2-VL and GLM-4V processors.
+        from encode_server.models.inputs.fast_patches import accelerated
+
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
@@ -140,6 +141,38 @@ def resize_rule(size_of: Callable[..., tuple[int, int]], image_processor: Any, *
     if not image_processor.do_resize:
         return unchanged_size
     return functools.partial(size_of, **settings)
+
+
+def qwen_image_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's `smart_resize` of one image."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def qwen_image_size_of(image_processor: Any) -> ImageSize:
+    """How the Qwen2-VL image processor (PIL or torchvision backend) sizes an image."""
+    size = image_processor.size
+    return resize_rule(qwen_image_size, image_processor,
+                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
+                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
+
+
+def run_qwen_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
+    """The rows of a Qwen2-VL or Qwen2.5-VL tower: its merger's output."""
+    return tower(pixels, grid_thw=grid).pooler_output
+
+
+def deepstack_count(vision_config: Any) -> int:
+    """How many deepstack blocks (Qwen3-VL's) a vision config declares: each adds a row block beside the main rows."""
+    return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+
+
+def run_qwen3_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
+    """The main rows, then each deepstack block, side by side: `[tokens, hidden * (1 + k)]`."""
+    output = tower(pixels, grid_thw=grid)
+    deepstack = list(getattr(output, "deepstack_features", None) or [])
+    return torch.cat([output.pooler_output, *deepstack], dim=-1) if deepstack else output.pooler_output
 
 
 def load_grid_tower(folder: Path, towers: Mapping[str, tuple[str, str]], what: str,

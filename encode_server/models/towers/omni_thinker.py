@@ -37,7 +37,14 @@ from encode_server.models.base import ItemLayout, ModelInfo, PreparedBatch
 from encode_server.models.inputs.video_patches import VideoPatcher
 from encode_server.models.layers.packed_attention import use_packed_attention
 from encode_server.models.layers.patch_embed import to_host
-from encode_server.models.towers.grid_vision import GridVisionAdapter, ImageSize, RunTower, transformers_class
+from encode_server.models.towers.grid_vision import (
+    GridVisionAdapter,
+    ImageSize,
+    RunTower,
+    deepstack_count,
+    qwen_image_size_of,
+    transformers_class,
+)
 from encode_server.models.towers.omni_audio import OmniAudio, OmniAudioRule
 
 #: Where an Omni checkpoint keeps the thinker's towers: `thinker.visual.*` as published, `thinker.model.visual.*`
@@ -120,8 +127,6 @@ def video_patcher(folder: Path, processor_class: Any) -> VideoPatcher:
 def build_adapter(name: str, spec: OmniSpec, vision_tower: torch.nn.Module, audio_tower: torch.nn.Module,
                   image_processor: Any, video: VideoPatcher, audio: OmniAudio, device: torch.device,
                   dtype: torch.dtype) -> OmniThinkerAdapter:
-    from encode_server.models.families.qwen3_vl import deepstack_count, image_size_of
-
     vision, audio_config = vision_tower.config, audio_tower.config
     width = int(vision.out_hidden_size)
     if int(audio_config.output_dim) != width:
@@ -129,7 +134,7 @@ def build_adapter(name: str, spec: OmniSpec, vision_tower: torch.nn.Module, audi
                          f"({width} wide) do not have the language model's one width")
     info = ModelInfo(name=name, family=spec.family, modalities=MODALITIES, hidden_size=width,
                      deepstack=deepstack_count(vision), deepstack_modalities=("image", "video"))
-    return OmniThinkerAdapter(info, vision_tower, image_processor, video, image_size_of(image_processor),
+    return OmniThinkerAdapter(info, vision_tower, image_processor, video, qwen_image_size_of(image_processor),
                               spec.run_tower, audio_tower, audio, device, dtype)
 
 
