@@ -100,3 +100,10 @@ def test_every_package_says_its_job():
         doc = ast.get_docstring(ast.parse(init.read_text()))
         where = init.parent.relative_to(PACKAGE)
         assert doc and len(doc) > 40, f"{where}/__init__.py needs a docstring: its job and its imports"
+
+
+def test_the_architecture_page_lists_these_layers():
+    """docs/ARCHITECTURE.md's `layers` block is this test's LAYERS, bottom to top, one layer a line."""
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    assert [set(line.split()) for line in block.splitlines() if line.strip()] == LAYERS
