@@ -235,9 +235,10 @@ class MediaLoader:
         by one) and `digest` of them; the first item's error in item order. This is where the embedding
         cache looks items up: raw bytes known, not yet decoded.
 
-        In the same trip to the pool, an item whose digest is not `known` (a thread-safe hint: the cache
-        holds it or is computing it) is decoded at once, so a miss costs no second trip; a known one is
-        left undecoded (`loaded` None): a hit skips decoding.
+        Small inline images are read, hashed and decoded right here, on the event loop (as `load` decodes
+        them, see INLINE_DECODE_CHARS); the others in one trip to the pool. Either way, an item whose digest
+        is not `known` (a thread-safe hint: the cache holds it or is computing it) is decoded at once, so a
+        miss costs no second trip; a known one is left undecoded (`loaded` None): a hit skips decoding.
         """
         return await each_in_order([self._read_one(modality, source, digest, describe, known) for source in sources])
 
@@ -251,6 +252,9 @@ class MediaLoader:
                 await self._raw_bytes(frame, "image") for frame in source.value]
         else:
             parts = await self._raw_bytes(source, modality)
+            small = self._small_inline_image(modality, source)
+            if small is not None:  # cheaper here than a hop to a thread and back (see INLINE_DECODE_CHARS)
+                return self._read_in_pool(modality, source, small, digest, describe, known)
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, self._read_in_pool, modality, source, parts, digest, describe, known)
 
@@ -286,11 +290,18 @@ class MediaLoader:
                 self._pool, self._decode_frames, frame_bytes, source, modality, describe
             )
         raw = await self._raw_bytes(source, modality)
-        if modality == "image" and source.kind in ("base64", "data_uri") and len(source.value) <= INLINE_DECODE_CHARS:
-            raw = self._bytes_of(raw)
-            if _header_pixels(raw) <= INLINE_DECODE_PIXELS:
-                return self._decode(raw, source, modality, describe)  # small: cheaper here than a hop to a thread
+        small = self._small_inline_image(modality, source)
+        if small is not None:
+            return self._decode(small, source, modality, describe)  # small: cheaper here than a hop to a thread
         return await loop.run_in_executor(self._pool, self._decode, raw, source, modality, describe)
+
+    def _small_inline_image(self, modality: str, source: MediaSource) -> bytes | None:
+        """An inline image's bytes when it is small enough to decode on the event loop (its text and, by its
+        header, its pixels), else None. A base64 error is raised here, as the pool would."""
+        if modality != "image" or source.kind not in ("base64", "data_uri") or len(source.value) > INLINE_DECODE_CHARS:
+            return None
+        data = self._bytes_of(source)
+        return data if _header_pixels(data) <= INLINE_DECODE_PIXELS else None
 
     async def _raw_bytes(self, source: MediaSource, modality: str) -> bytes | MediaSource:
         """URL bytes are fetched here; inline sources and files are read later, in the pool."""
