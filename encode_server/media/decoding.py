@@ -65,7 +65,9 @@ def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool 
         return image
     try:
         image.load()
-        return ImageOps.exif_transpose(image).convert("RGB")
+        if image.getexif().get(0x0112, 1) in (2, 3, 4, 5, 6, 7, 8):  # what exif_transpose turns; else it copies
+            image = ImageOps.exif_transpose(image)
+        return image if image.mode == "RGB" else image.convert("RGB")  # convert() copies an RGB image too
     except Exception as exc:
         raise MediaError(location, f"cannot decode image: {exc}") from None
 
