@@ -24,8 +24,8 @@ it None; its receivers only copy it).
 
 The pickle (protocol 4) is produced by Python's own pickler, byte for byte as SGLang's would be
 (tests/golden/ holds frames pickled by real SGLang): two stand-in classes are written under SGLang's
-class paths instead of their own, and torch writes its tensors and dtypes itself (about 0.15 ms a
-message here, most of it torch pickling the grid tensor). Only classes on SGLang's unpickling
+class paths instead of their own, and torch writes its tensors and dtypes itself (about 0.15-0.2 ms a
+pickle here, most of it torch pickling the grid tensor: hence the templates below). Only classes on SGLang's unpickling
 allowlist appear in it. This module only ever writes pickles; nothing received is unpickled anywhere
 in the server.
 """
