@@ -30,13 +30,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 #: modules that build and compare several tiny checkpoints are left to the full suite; run one directly while
 #: working on that family).
 QUICK_MODULES = frozenset({
-    "test_bench_workloads", "test_cost_model", "test_demand", "test_embedding_cache", "test_endpoints",
-    "test_family_gemma3", "test_family_glm4v", "test_family_minimax_m3_vl", "test_fast_patches", "test_housekeeping",
-    "test_layout", "test_logs", "test_messages", "test_metrics", "test_packed_attention", "test_patch_embed",
-    "test_policy", "test_policy_queue", "test_prefill_counts", "test_priority_pool", "test_qwen_video_settings",
-    "test_registrations", "test_safetensors_ranges", "test_scheduler", "test_scheduler_priority",
-    "test_scheduler_thread", "test_sender", "test_service", "test_service_priority", "test_settings",
-    "test_sglang_wire", "test_wire_deepstack", "test_omni_delivery", "test_store_format",
+    "test_bench_sglang_compare", "test_bench_workloads", "test_cost_model", "test_demand", "test_embedding_cache",
+    "test_endpoints", "test_family_gemma3", "test_family_glm4v", "test_family_minimax_m3_vl", "test_fast_patches",
+    "test_housekeeping", "test_layout", "test_logs", "test_media_inline", "test_messages", "test_metrics",
+    "test_packed_attention", "test_patch_embed", "test_policy", "test_policy_queue", "test_prefill_counts",
+    "test_priority_pool", "test_qwen_video_settings", "test_registrations", "test_safetensors_ranges",
+    "test_scheduler", "test_scheduler_priority", "test_scheduler_thread", "test_sender", "test_service",
+    "test_service_priority", "test_settings", "test_sglang_wire", "test_wire_deepstack", "test_omni_delivery",
+    "test_store_format",
 })
 
 

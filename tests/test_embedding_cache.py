@@ -400,3 +400,19 @@ def test_auto_capacity_is_five_percent_of_memory_at_most_one_gib():
     assert default_cache_bytes(memory=8 << 30) == int(0.05 * (8 << 30))
     assert default_cache_bytes(memory=512 << 30) == 1 << 30
     assert 0 < default_cache_bytes() <= 1 << 30
+
+
+@pytest.mark.parametrize("size", [0, 1, 2047, 2048, 4095, 9000, 64 * 1024, 64 * 1024 + 1, 200_000])
+def test_keys_of_small_items_hashed_in_slices_are_the_one_update_digest(size):
+    import hashlib
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    reference = hashlib.blake2b(digest_size=32, person=b"encode-cache-v1")
+    for part in (b"model-a", b"image", b"{}"):
+        reference.update(len(part).to_bytes(8, "little"))
+        reference.update(part)
+    reference.update(b"F" + size.to_bytes(8, "little"))
+    reference.update(data)
+    keys = ItemKeys("model-a")
+    assert keys.key("image", data) == reference.digest()
+    assert keys.key("image", bytearray(data)) == keys.key("image", memoryview(data)) == reference.digest()

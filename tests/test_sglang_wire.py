@@ -283,3 +283,47 @@ def test_fast_path_is_taken_for_ordinary_frames_and_not_beyond_one_frame():
     assert renamed is not None and canonical(renamed) == canonical(frames._reference_dumps(small))
     assert frames._retarget(pickle.dumps(huge, protocol=4)) is None
     assert frames._retarget(b"\x80\x04N.") is None
+
+
+# --- templates: one pickle per kind of message, each message's id and time spliced in -------------------
+
+@pytest.mark.parametrize("req_id", ["r", "é" * 127 + "x", "y" * 255, "z" * 256, "w" * 70000, "req_id", "image",
+                                    "\x00encode-server:req-id\x00", "émoji-🙂_part_0", "surrogate-\ud800"])
+@pytest.mark.parametrize("modality,grids,seconds,stamps", [
+    ("image", [(1, 4, 4)], None, None), ("image", [[1, 4, 6], (1, 2, 2)], None, None),
+    ("video", [(2, 4, 4)], [1.0], [[0.0, 0.5]]), ("audio", [3000, 7], None, None),
+])
+def test_a_templated_header_is_the_picklers_own(req_id, modality, grids, seconds, stamps):
+    frames = SglangFrames()
+    fields = dict(part_idx=0, num_parts=1, modality=modality, grids=grids, dtype=torch.float32, shape=(16, 128),
+                  second_per_grid_ts=seconds, video_timestamps=stamps)
+    frames.embedding_header(req_id="warm", send_time=1.0, **fields)  # makes the template
+    # A request's id is parsed from its body: a string of its own, never one of the pickle's interned names (the
+    # literal "req_id" here is the key's own object, which the pickler would write as a memo reference instead).
+    parsed = "".join(list(req_id))
+    for send_time in (1764170000.123456, 0.0):
+        header = frames.embedding_header(req_id=req_id, send_time=send_time, **fields)
+        reference = frames._embedding_dumps(req_id=parsed, send_time=send_time, **fields)
+        assert canonical(header) == canonical(reference)
+        assert (load(header).req_id, load(header).send_time) == (req_id, send_time)
+
+
+def test_templates_are_kept_per_kind_of_message_and_bounded(monkeypatch):
+    from encode_server.delivery import sglang_wire
+
+    monkeypatch.setattr(sglang_wire, "TEMPLATES_KEPT", 3)
+    frames = SglangFrames()
+    made = []
+    original = frames._template
+    monkeypatch.setattr(frames, "_template", lambda key, **fields: made.append(key) or original(key, **fields))
+    for index in range(4):
+        frames.embedding_header(req_id=f"r{index}", part_idx=0, num_parts=1, modality="image", grids=[(1, 4, 4)],
+                                dtype=torch.float32, shape=(4, 8))
+    assert len(made) == 1  # the same kind of message: one template
+    for width in (2, 4, 6, 8):
+        frames.embedding_header(req_id="r", part_idx=0, num_parts=1, modality="image", grids=[(1, 2, width)],
+                                dtype=torch.float32, shape=(width // 2, 8))
+    assert len(made) == 5 and len(frames._templates) == 3
+    tensor_grids = frames.embedding_header(req_id="t", part_idx=0, num_parts=1, modality="image",
+                                           grids=torch.tensor([[1, 4, 4]]), dtype=torch.float32, shape=(4, 8))
+    assert len(made) == 5 and load(tensor_grids).grid_dim.tolist() == [[1, 4, 4]]  # a tensor: no template

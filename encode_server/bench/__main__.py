@@ -2,7 +2,8 @@
 
 Configurations (`--compare`): `on` (dynamic batching), `off` (one request per forward, the
 baseline), `ray` (the same model behind Ray Serve's `@serve.batch`, skipped when Ray is absent),
-`ceiling` (the same batches through the model in a loop, no HTTP), and `cache-on` / `cache-off`
+`ceiling` (the same batches through the model in a loop, no HTTP), `sglang` (alone: against
+SGLang's own encoder server, both pinned; `sglang_compare.py` has its flags), and `cache-on` / `cache-off`
 (dynamic batching with the embedding cache at `--cache-bytes`, and with it off; `on` and `off` run
 with the cache off, so that they measure batching alone). Workloads (`--workload`, see
 `workloads.py`): `single` (one image per request), `chat` (Zipf-popular conversations re-sending
@@ -296,6 +297,18 @@ def plot(results: dict, out: Path) -> list[str]:
     return written
 
 
+def _compares_sglang(argv: list[str]) -> bool:
+    """`--compare sglang`: this server against SGLang's own encoder, a benchmark of its own."""
+    for index, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--compare=") else (
+            argv[index + 1] if arg == "--compare" and index + 1 < len(argv) else None)
+        if value is not None and "sglang" in value.split(","):
+            if value != "sglang":
+                raise SystemExit("encode-bench: --compare sglang is a benchmark of its own; run it alone")
+            return True
+    return False
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="encode-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -330,6 +343,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _compares_sglang(argv):  # its own benchmark, with its own flags (sglang_compare.py)
+        from encode_server.bench.sglang_compare import main as compare_sglang
+
+        compare_sglang(argv)
+        return
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.replot:

@@ -338,11 +338,24 @@ class ItemKeys:
         return digest.digest()
 
 
+#: hashlib lets go of the GIL while it hashes a buffer of 2,048 bytes or more. For a small item, hashed on the
+#: event loop, that hand-off costs more than the hashing: another thread (the forward's) takes the GIL and the
+#: loop waits for it back. Up to SLICED_HASH_BYTES, items are fed in slices below that size instead (the
+#: digest of a stream does not depend on how it is fed); bigger ones, hashed in the decode pool, in one go.
+HASHLIB_GIL_SLICE = 2047
+SLICED_HASH_BYTES = 64 * 1024
+
+
 def _framed(digest: Any, data: bytes | bytearray | memoryview) -> None:
     """Length-prefixed, so that no two different sequences of parts hash the same stream."""
     size = data.nbytes if isinstance(data, memoryview) else len(data)
     digest.update(size.to_bytes(8, "little"))
-    digest.update(data)
+    if HASHLIB_GIL_SLICE < size <= SLICED_HASH_BYTES:
+        view = memoryview(data).cast("B")
+        for start in range(0, size, HASHLIB_GIL_SLICE):
+            digest.update(view[start:start + HASHLIB_GIL_SLICE])
+    else:
+        digest.update(data)
 
 
 # --- the model's fingerprint -----------------------------------------------------------------------

@@ -24,7 +24,8 @@ it None; its receivers only copy it).
 
 The pickle (protocol 4) is produced by Python's own pickler, byte for byte as SGLang's would be
 (tests/golden/ holds frames pickled by real SGLang): two stand-in classes are written under SGLang's
-class paths instead of their own, and torch writes its tensors and dtypes itself. Only classes on SGLang's unpickling
+class paths instead of their own, and torch writes its tensors and dtypes itself (most of a pickle's cost is torch
+pickling the grid tensor: hence the templates below). Only classes on SGLang's unpickling
 allowlist appear in it. This module only ever writes pickles; nothing received is unpickled anywhere
 in the server.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -123,6 +125,44 @@ def _global_opcodes(module: str, qualname: str) -> bytes:
 
 _FAST_PATH_MAX_FRAME = 60_000  # the picklers split frames at 64 KiB; bigger messages take the reference path
 
+#: Placeholders pickled where a template's request id and send time go (built afresh: never an interned string).
+_REQ_ID_MARK = "".join(["\x00encode-server:", "req-id\x00"])
+_SEND_TIME_MARK = -1.2345678901234567e-300
+#: Templates kept per `SglangFrames` (the oldest is dropped beyond this: kinds of message, not messages).
+TEMPLATES_KEPT = 512
+
+
+def _string_op(text: str) -> bytes:
+    """How protocol 4 writes a str (SHORT_BINUNICODE or BINUNICODE); UnicodeEncodeError for lone surrogates,
+    which the pickler writes with `surrogatepass` (the caller then takes the pickler)."""
+    raw = text.encode("utf-8")
+    return (b"\x8c" + bytes([len(raw)]) if len(raw) < 256 else b"X" + len(raw).to_bytes(4, "little")) + raw
+
+
+class _Template:
+    """A success header's pickle cut where its request id and send time go."""
+
+    def __init__(self, data: bytes) -> None:
+        body = data[11:]
+        id_op, time_op = _string_op(_REQ_ID_MARK), b"G" + struct.pack(">d", _SEND_TIME_MARK)
+        if data[2:3] != pickle.FRAME or body.count(id_op) != 1 or body.count(time_op) != 1 or \
+                body.find(id_op) > body.find(time_op):
+            raise ValueError("not a one-frame header with one request id before one send time")
+        self.protocol = data[:2]
+        before, after = body.split(id_op)
+        self.before = before
+        self.between, self.after = after.split(time_op)
+
+    def fill(self, req_id: str, send_time: float) -> bytes | None:
+        try:
+            id_op = _string_op(req_id)
+        except UnicodeEncodeError:
+            return None
+        body = b"".join((self.before, id_op, self.between, b"G", struct.pack(">d", send_time), self.after))
+        if len(body) > _FAST_PATH_MAX_FRAME:
+            return None
+        return self.protocol + pickle.FRAME + len(body).to_bytes(8, "little") + body
+
 
 class SglangFrames:
     """Makes frame 0 of SGLang's messages for one configured pair of class paths.
@@ -142,6 +182,7 @@ class SglangFrames:
         }
         self._swaps = [(_global_opcodes(cls.__module__, cls.__qualname__), _global_opcodes(*path))
                        for cls, path in self._class_paths.items()]
+        self._templates: dict[tuple, _Template | None] = {}
 
     def _dumps(self, state: dict[str, Any]) -> bytes:
         obj = _EmbeddingDataStandIn()
@@ -183,14 +224,46 @@ class SglangFrames:
 
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        req_id, send_time = str(req_id), time.time() if send_time is None else float(send_time)
+        key = _template_key(part_idx, num_parts, modality, grids, dtype, shape, second_per_grid_ts, video_timestamps)
+        if key is not None:
+            template = self._templates.get(key, False)
+            if template is False:
+                template = self._template(key, part_idx=part_idx, num_parts=num_parts, modality=modality, grids=grids,
+                                          dtype=dtype, shape=shape, second_per_grid_ts=second_per_grid_ts,
+                                          video_timestamps=video_timestamps)
+            frame = template.fill(req_id, send_time) if template is not None else None
+            if frame is not None:
+                return frame
+        return self._embedding_dumps(req_id=req_id, part_idx=part_idx, num_parts=num_parts, modality=modality,
+                                     grids=grids, dtype=dtype, shape=shape, second_per_grid_ts=second_per_grid_ts,
+                                     video_timestamps=video_timestamps, send_time=send_time)
+
+    def _template(self, key: tuple, **fields: Any) -> _Template | None:
+        """The template for one kind of message, made and kept (None: this kind takes the pickler)."""
+        try:
+            template = _Template(self._embedding_dumps(req_id=_REQ_ID_MARK, send_time=_SEND_TIME_MARK, **fields))
+        except ValueError:
+            template = None
+        if len(self._templates) >= TEMPLATES_KEPT:
+            del self._templates[next(iter(self._templates))]
+        self._templates[key] = template
+        return template
+
+    def _embedding_dumps(self, *, req_id: str, part_idx: int, num_parts: int, modality: str,
+                         grids: Sequence[Any] | torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
+                         second_per_grid_ts: Sequence[float] | None, video_timestamps: list[Any] | None,
+                         send_time: float) -> bytes:
+        import torch
+
         return self._dumps({
-            "req_id": str(req_id),
+            "req_id": req_id,
             "num_parts": int(num_parts),
             "part_idx": int(part_idx),
             "grid_dim": grid_tensor(grids),
             "modality": _ModalityMember(MODALITY_VALUES[modality]),
             "embedding": None,
-            "send_time": time.time() if send_time is None else float(send_time),
+            "send_time": send_time,
             "dtype": dtype,
             "shape": [int(n) for n in shape],
             "_mr_ptr": None,
@@ -218,6 +291,22 @@ class SglangFrames:
             "error_msg": str(message),
             "error_code": int(code),
         })
+
+
+def _template_key(part_idx: int, num_parts: int, modality: str, grids: Any, dtype: Any, shape: Sequence[int],
+                  seconds: Sequence[float] | None, timestamps: list[Any] | None) -> tuple | None:
+    """What makes two success headers differ besides their request id and send time; None (no template) for
+    grids given as a tensor."""
+    if not isinstance(grids, (list, tuple)):
+        return None
+    try:
+        return (int(part_idx), int(num_parts), modality, dtype, tuple(int(n) for n in shape),
+                tuple(tuple(int(n) for n in grid) if isinstance(grid, (list, tuple)) else int(grid) for grid in grids),
+                None if seconds is None else tuple(float(s) for s in seconds),
+                None if timestamps is None else tuple(None if stamp is None else tuple(float(t) for t in stamp)
+                                                      for stamp in timestamps))
+    except (TypeError, ValueError):
+        return None
 
 
 def receiver_grid(modality: str, layout: Any) -> Any:

@@ -14,6 +14,7 @@ What the frames hold (the wire format) and where they go (destinations, registra
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import re
@@ -66,6 +67,7 @@ def check_endpoint(url: str) -> str:
     return f"tcp://{match['host']}:{int(match['port'])}"
 
 
+@functools.lru_cache(maxsize=1024)  # a prefill rank's address comes back with every request it sends
 def endpoint_for(host: str, port: int) -> str:
     bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return check_endpoint(f"tcp://{bracketed}:{port}")

@@ -43,6 +43,12 @@ def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool 
     pixels are decoded elsewhere (the preprocessing pool's workers) and only the layout is needed here;
     an image whose EXIF orientation swaps its sides is still decoded, so that its size is the upright one.
     """
+    return finish_image(open_image(data, max_pixels, location), location, header_only)
+
+
+def open_image(data: bytes, max_pixels: int, location: str) -> Image.Image:
+    """`decode_image`'s first half: the image opened from its header (size known, pixels not decoded),
+    refused above `max_pixels`."""
     if not data:
         raise MediaError(location, "empty image data")
     try:
@@ -61,11 +67,18 @@ def decode_image(data: bytes, max_pixels: int, location: str, header_only: bool 
             location, f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels} "
                       f"(--max-image-pixels)"
         )
+    return image
+
+
+def finish_image(image: Image.Image, location: str, header_only: bool = False) -> Image.Image:
+    """`decode_image`'s second half, on what `open_image` gave."""
     if header_only and image.getexif().get(0x0112, 1) not in (5, 6, 7, 8):  # 0x0112: Orientation
         return image
     try:
         image.load()
-        return ImageOps.exif_transpose(image).convert("RGB")
+        if image.getexif().get(0x0112, 1) in (2, 3, 4, 5, 6, 7, 8):  # what exif_transpose turns; else it copies
+            image = ImageOps.exif_transpose(image)
+        return image if image.mode == "RGB" else image.convert("RGB")  # convert() copies an RGB image too
     except Exception as exc:
         raise MediaError(location, f"cannot decode image: {exc}") from None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import io
 import re
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,7 +24,14 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
-from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
+from encode_server.media.decoding import (
+    MediaError,
+    MediaLimits,
+    decode_bytes,
+    decode_frames,
+    finish_image,
+    open_image,
+)
 from encode_server.media.url_guard import (
     SEND_MEDIA_HOW,
     BlockedAddressError,
@@ -175,15 +181,6 @@ INLINE_DECODE_CHARS = 32 * 1024
 INLINE_DECODE_PIXELS = 256 * 256
 
 
-def _header_pixels(data: bytes) -> int:
-    """Width times height from an image file's header (0 when unreadable: decoding it fails fast)."""
-    try:
-        width, height = Image.open(io.BytesIO(data)).size
-    except Exception:
-        return 0
-    return width * height
-
-
 @dataclass(frozen=True)
 class RawItem:
     """One item's bytes as received or fetched (a video's frames: a list) and their digest; `loaded` is the
@@ -235,9 +232,10 @@ class MediaLoader:
         by one) and `digest` of them; the first item's error in item order. This is where the embedding
         cache looks items up: raw bytes known, not yet decoded.
 
-        In the same trip to the pool, an item whose digest is not `known` (a thread-safe hint: the cache
-        holds it or is computing it) is decoded at once, so a miss costs no second trip; a known one is
-        left undecoded (`loaded` None): a hit skips decoding.
+        Small inline images are read, hashed and decoded right here, on the event loop (as `load` decodes
+        them, see INLINE_DECODE_CHARS); the others in one trip to the pool. Either way, an item whose digest
+        is not `known` (a thread-safe hint: the cache holds it or is computing it) is decoded at once, so a
+        miss costs no second trip; a known one is left undecoded (`loaded` None): a hit skips decoding.
         """
         return await each_in_order([self._read_one(modality, source, digest, describe, known) for source in sources])
 
@@ -251,6 +249,12 @@ class MediaLoader:
                 await self._raw_bytes(frame, "image") for frame in source.value]
         else:
             parts = await self._raw_bytes(source, modality)
+            small = self._small_inline_image(modality, source)
+            if small is not None:  # cheaper here than a hop to a thread and back (see INLINE_DECODE_CHARS)
+                data, image = small
+                key = digest(data)
+                return RawItem(source, data, key) if known(key) else RawItem(
+                    source, data, key, self._finish(data, image, source, modality, describe))
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, self._read_in_pool, modality, source, parts, digest, describe, known)
 
@@ -286,11 +290,27 @@ class MediaLoader:
                 self._pool, self._decode_frames, frame_bytes, source, modality, describe
             )
         raw = await self._raw_bytes(source, modality)
-        if modality == "image" and source.kind in ("base64", "data_uri") and len(source.value) <= INLINE_DECODE_CHARS:
-            raw = self._bytes_of(raw)
-            if _header_pixels(raw) <= INLINE_DECODE_PIXELS:
-                return self._decode(raw, source, modality, describe)  # small: cheaper here than a hop to a thread
+        small = self._small_inline_image(modality, source)
+        if small is not None:  # small: cheaper here than a hop to a thread
+            return self._finish(*small, source, modality, describe)
         return await loop.run_in_executor(self._pool, self._decode, raw, source, modality, describe)
+
+    def _small_inline_image(self, modality: str, source: MediaSource) -> tuple[bytes, Image.Image] | None:
+        """An inline image's bytes and the image opened from its header, when it is small enough to decode on
+        the event loop (its text and its pixels), else None. An error in its base64 or header is raised here,
+        as the pool would raise it."""
+        if modality != "image" or source.kind not in ("base64", "data_uri") or len(source.value) > INLINE_DECODE_CHARS:
+            return None
+        data = self._bytes_of(source)
+        image = open_image(data, self.limits.max_image_pixels, source.location)
+        width, height = image.size
+        return (data, image) if width * height <= INLINE_DECODE_PIXELS else None
+
+    def _finish(self, data: bytes, image: Image.Image, source: MediaSource, modality: str,
+                describe: Callable[[str, Any], Any]) -> LoadedItem:
+        """An image `_small_inline_image` opened, decoded as `_decode` would."""
+        decoded = finish_image(image, source.location, self.header_only_images)
+        return LoadedItem(decoded, _describe(describe, modality, decoded, source.location), data)
 
     async def _raw_bytes(self, source: MediaSource, modality: str) -> bytes | MediaSource:
         """URL bytes are fetched here; inline sources and files are read later, in the pool."""

@@ -61,13 +61,13 @@ class SharedDemand:
 
     def join(self, demand: Demand) -> None:
         """A request starts waiting."""
-        before = self.urgency
+        before = self.urgency if self._listener is not None else None  # nobody to tell: skip the comparison
         self._demands[demand] += 1
         self._changed(before)
 
     def leave(self, demand: Demand) -> None:
         """A request stops waiting (it was answered, or gave up)."""
-        before = self.urgency
+        before = self.urgency if self._listener is not None else None
         self._demands[demand] -= 1
         if self._demands[demand] <= 0:
             del self._demands[demand]
@@ -78,7 +78,9 @@ class SharedDemand:
         """Call `listener(urgency)` after every change of the urgency (None: stop)."""
         self._listener = listener
 
-    def _changed(self, before: Urgency) -> None:
+    def _changed(self, before: Urgency | None) -> None:
+        if before is None or self._listener is None:
+            return
         after = self.urgency
-        if after != before and self._listener is not None:
+        if after != before:
             self._listener(after)
