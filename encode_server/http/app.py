@@ -205,7 +205,12 @@ def create_app(settings: Settings, adapter=None, group=None):
             from encode_server.vllm_producer import VllmProducer
 
             app.state.vllm_producer = await asyncio.to_thread(VllmProducer.from_settings, service, settings)
-        if settings.vllm_push:
+        if settings.vllm_push and settings.vllm_push.connector == "ECCPUConnector":
+            from encode_server.fronts.vllm_cpu import CPUConnectorProducer
+
+            app.state.vllm_pusher = await asyncio.to_thread(CPUConnectorProducer.from_settings, settings, encoder)
+            service.metrics.watch_transport(app.state.vllm_pusher)
+        elif settings.vllm_push:
             from encode_server.fronts.vllm_mooncake import MooncakePusher
 
             app.state.vllm_pusher = await asyncio.to_thread(MooncakePusher, settings.vllm_push, encoder.info.family)
