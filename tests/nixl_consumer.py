@@ -75,6 +75,17 @@ class NixlConsumer:
         ack = ack or self.ask(entry["peer_host"], int(entry["peer_port"]), mm_hash)
         if ack["status"] != 0:
             return ack
+        local = self.pull(ack, mm_hash, blocks)
+        count = len(local)
+        start = local[0] * self.block_size
+        flat = torch.from_numpy(self._bytes[start:start + count * self.block_size].copy()).view(dtype)
+        if blocks is not None:
+            return flat
+        rows, width = entry["shape"]
+        return flat[:rows * width].reshape(rows, width)
+
+    def pull(self, ack: dict, mm_hash: str, blocks: int | None = None) -> list[int]:
+        """The READ an OK ack grants, with its notification, into consecutive local blocks; those blocks."""
         source = list(ack["src_block_indices"])[:blocks]
         count = len(source)
         if self._next_block + count > self.num_blocks:
@@ -94,15 +105,10 @@ class NixlConsumer:
         while (state := self.agent.check_xfer_state(handle)) == "PROC":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the NIXL read of {mm_hash} did not complete")
-            time.sleep(0.0005)
+            time.sleep(0.0001)
         self.agent.release_xfer_handle(handle)
         assert state == "DONE", state
-        start = local[0] * self.block_size
-        flat = torch.from_numpy(self._bytes[start:start + count * self.block_size].copy()).view(dtype)
-        if blocks is not None:
-            return flat
-        rows, width = entry["shape"]
-        return flat[:rows * width].reshape(rows, width)
+        return local
 
     def close(self) -> None:
         for dealer in self._dealers.values():
