@@ -10,7 +10,8 @@ rows are the first `rows * width` elements of the local blocks. vLLM's own consu
 `scripts/vllm_cpu_compat.py`.
 
 Run as a process (`python -m tests.nixl_consumer HOST PORT MM_HASH HASH BLOCK_SIZE`) it asks for one item
-and kills itself once the ack is in, before reading: a consumer that dies mid-transfer.
+and kills itself once the ack is in, before reading: a consumer that dies mid-transfer (it needs no NIXL
+agent for that, so it starts none, nor imports torch).
 """
 
 from __future__ import annotations
@@ -22,23 +23,30 @@ import signal
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
-import torch
 import zmq
 
-from encode_server.transport.nixl import block_descriptors, quiet_ucx_exit
+if TYPE_CHECKING:
+    import torch
 
 
 class NixlConsumer:
-    def __init__(self, block_size: int, compatibility_hash: str, num_blocks: int = 4096) -> None:
-        quiet_ucx_exit()
-        from nixl._api import nixl_agent, nixl_agent_config
-
+    def __init__(self, block_size: int, compatibility_hash: str, num_blocks: int = 4096, agent: bool = True) -> None:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.compatibility_hash = compatibility_hash
         self.session_id = str(uuid.uuid4())
+        self._context = zmq.Context()
+        self._dealers: dict[tuple[str, int], zmq.Socket] = {}
+        if not agent:  # asks only (a consumer that dies before it reads needs no NIXL)
+            return
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        from encode_server.transport.nixl import block_descriptors, quiet_ucx_exit
+
+        quiet_ucx_exit()
         self.agent = nixl_agent(f"consumer-{self.session_id}", nixl_agent_config(backends=["UCX"]))
         self._map = mmap.mmap(-1, num_blocks * block_size)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
@@ -48,8 +56,6 @@ class NixlConsumer:
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.agent.get_xfer_descs(
             block_descriptors(base, num_blocks, block_size), "DRAM"))
         self._peers: dict[bytes, tuple[str, object]] = {}  # producer metadata -> (agent name, its prepared dlist)
-        self._context = zmq.Context()
-        self._dealers: dict[tuple[str, int], zmq.Socket] = {}
         self._next_block = 0
 
     def ask(self, host: str, port: int, mm_hash: str, **fields) -> dict:
@@ -72,6 +78,8 @@ class NixlConsumer:
              blocks: int | None = None) -> torch.Tensor | dict:
         """Read the item an `ec_transfer_params` entry announces; its rows, or the NACK ack. `blocks` reads only
         that many of the acked blocks (a short block list) and gives their elements, flat."""
+        import torch
+
         ack = ack or self.ask(entry["peer_host"], int(entry["peer_port"]), mm_hash)
         if ack["status"] != 0:
             return ack
@@ -133,7 +141,7 @@ def blocks_of(size_bytes: int, block_size: int) -> int:
 
 if __name__ == "__main__":
     host, port, mm_hash, compat, block_size = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-    consumer = NixlConsumer(block_size, compat, num_blocks=16)
+    consumer = NixlConsumer(block_size, compat, agent=False)
     answer = consumer.ask(host, port, mm_hash)
     print(f"acked {answer['status']}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # dies holding the producer's pin, before the read

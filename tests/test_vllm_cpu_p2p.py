@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import json
 import subprocess
 import sys
@@ -82,6 +83,38 @@ class Producer:
         return False
 
 
+@contextlib.contextmanager
+def direct_producer(cpu_bytes: int = 64 << 20, hidden: int = 128, lease_s: float = 30.0, hold_s: float = 60.0):
+    """The connector's producer without a server or model (rows made by the test), its side channel on loopback."""
+    from encode_server.fronts.vllm_cpu import CPUConnectorProducer
+    from encode_server.ops.transfer_config import parse_ec_transfer_config
+
+    config = parse_ec_transfer_config(transfer_config(cpu_bytes, lease_s, hold_s))
+    port = free_port()
+    producer = CPUConnectorProducer(config, "test", hidden, torch.float32, "m", "0.33.0", "127.0.0.1", port)
+    producer.port = port
+    try:
+        yield producer
+    finally:
+        producer.close()
+
+
+def publish(producer, *items: tuple[str, torch.Tensor]) -> dict:
+    """The producer's answer for items (identifier, rows), as the chat route gets it."""
+    import asyncio
+
+    from encode_server.vllm_producer import ItemRows
+
+    return asyncio.run(producer.publish([ItemRows(name, "image", rows, None) for name, rows in items], "r"))
+
+
+def settled(producer, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while producer.open_reservations and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return producer.open_reservations == 0 and producer.pool.pins == 0
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -152,20 +185,23 @@ def test_audio_is_read_bit_identical():
         assert producer.settled() and producer.metric("encoder_transport_held_bytes") == 0
 
 
+@pytest.mark.quick
 def test_the_nacks_vllm_defines():
-    image = png_bytes(32, 32, 5)
-    with Producer() as producer, producer.consumer() as consumer:
+    import threading
+
+    import zmq
+
+    rows = torch.arange(64 * 3, dtype=torch.float32).reshape(3, 64)
+    with direct_producer() as producer, NixlConsumer(producer.block_size, producer.compat_hash) as consumer:
         host, port = "127.0.0.1", producer.port
         assert consumer.ask(host, port, "never-encoded") == {"type": "ack", "mm_hash": "never-encoded", "status": 1}
-        ((identifier, entry),) = announced(producer.encode([image_part(data_url(image))]))
-        assert consumer.ask(host, port, identifier, compatibility_hash="0" * 64)["status"] == 2
-        assert consumer.ask(host, port, identifier, connector_version=1)["status"] == 3
-        assert consumer.ask(host, port, identifier, session_id="")["status"] == 4
-        assert producer.metric("encoder_transport_open_reservations") == 0  # no NACK pins anything
+        entry = publish(producer, ("item", rows))["item"]
+        assert consumer.ask(host, port, "item", compatibility_hash="0" * 64)["status"] == 2
+        assert consumer.ask(host, port, "item", connector_version=1)["status"] == 3
+        assert consumer.ask(host, port, "item", session_id="")["status"] == 4
+        assert producer.open_reservations == 0  # no NACK pins anything
         # NOT_READY: an item whose rows are still being copied in (the copy held up here); asked again once copied.
-        import threading
-
-        pool = producer.server.server.config.app.state.vllm_pusher.pool
+        pool = producer.pool
         copying, release = threading.Event(), threading.Event()
         copy_in = pool._copy_in
 
@@ -175,19 +211,16 @@ def test_the_nacks_vllm_defines():
             copy_in(entry, flat)
 
         pool._copy_in = slow_copy
-        rows = torch.arange(64 * 3, dtype=torch.float32).reshape(3, 64)
-        writer = threading.Thread(target=pool.put, args=("being-written", rows, 60.0))
+        writer = threading.Thread(target=pool.put, args=("being-written", rows * 2, 60.0))
         writer.start()
         assert copying.wait(10)
         assert consumer.ask(host, port, "being-written")["status"] == 5
         release.set()
         writer.join(10)
         pool._copy_in = copy_in
-        assert torch.equal(consumer.read({"peer_host": host, "peer_port": port, "shape": [3, 64]}, "being-written",
-                                         torch.float32), rows)
+        assert torch.equal(consumer.read({"shape": [3, 64]}, "being-written", torch.float32,
+                                         ack=consumer.ask(host, port, "being-written")), rows * 2)
         # A malformed request is dropped unanswered; the side channel goes on serving.
-        import zmq
-
         context = zmq.Context()
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -196,9 +229,9 @@ def test_the_nacks_vllm_defines():
         assert dealer.poll(300) == 0
         dealer.close(0)
         context.term()
-        assert torch.equal(consumer.read(entry, identifier, torch.float32),
-                           native_rows_of(producer.server, "image", b64(image)))
-        assert producer.settled()
+        assert producer.malformed == 1
+        assert torch.equal(consumer.read(entry, "item", torch.float32), rows)
+        assert settled(producer)
 
 
 def test_concurrent_requests_are_read_bit_identical_and_leave_nothing_held():
@@ -230,33 +263,22 @@ def test_concurrent_requests_are_read_bit_identical_and_leave_nothing_held():
 @pytest.mark.quick
 def test_a_thousand_items_through_the_producer_leave_nothing_held():
     """The transport's bookkeeping over 1,000 items (no model: rows made here), each read by a consumer."""
-    import asyncio
-
-    from encode_server.fronts.vllm_cpu import CPUConnectorProducer
-    from encode_server.ops.transfer_config import parse_ec_transfer_config
     from encode_server.vllm_producer import ItemRows
 
-    config = parse_ec_transfer_config(transfer_config(cpu_bytes=64 << 10, hold_s=60.0))
-    producer = CPUConnectorProducer(config, "test", 32, torch.float32, "m", "0.33.0", "127.0.0.1", free_port())
     generator = torch.Generator().manual_seed(0)
-    try:
+    with direct_producer(cpu_bytes=64 << 10, hidden=32) as producer:
         with NixlConsumer(producer.block_size, producer.compat_hash) as consumer:
             for start in range(0, 1000, 20):
                 items = [ItemRows(f"item-{start + k}", "image", torch.randn(1 + (start + k) % 7, 32,
                                                                             generator=generator), None)
                          for k in range(20)]
-                params = asyncio.run(producer.publish(items, "r"))
+                params = publish(producer, *((item.identifier, item.rows) for item in items))
                 for item in items:
                     assert torch.equal(consumer.read(params[item.identifier], item.identifier, torch.float32),
                                        item.rows)
-            deadline = time.monotonic() + 5
-            while producer.open_reservations and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert producer.open_reservations == 0 and producer.pool.pins == 0
+            assert settled(producer)
             assert producer.held_bytes == 0 and producer.stats.transfers == 1000 and producer.stats.failures == 0
             assert producer.registered_bytes == 64 << 10 and producer.pool.stored_bytes <= 64 << 10
-    finally:
-        producer.close()
 
 
 def test_a_dead_consumer_a_short_read_and_a_lapsed_lease_release_their_pins_only():
@@ -289,24 +311,30 @@ def test_a_dead_consumer_a_short_read_and_a_lapsed_lease_release_their_pins_only
         assert producer.metric("encoder_transport_held_bytes") == 0
 
 
+@pytest.mark.quick
 def test_a_full_pool_is_a_503_with_retry_after():
-    # tiny-qwen2.5-vl: a 32x32 image is 4 rows of 128 float32, 4 blocks of 512 bytes.
-    with Producer(cpu_bytes=1 << 10) as producer:  # two blocks: less than one item
-        response = producer.encode([image_part(data_url(png_bytes(32, 32, 11)))])
-        assert response.status_code == 503 and response.headers["retry-after"], response.text
-        assert "ec_cpu_bytes" in response.json()["error"]["message"]
-    with Producer(cpu_bytes=6 << 10, hold_s=30.0) as producer:  # room for three items nobody has read yet
-        codes = [producer.encode([image_part(data_url(png_bytes(32, 32, 20 + index)))]).status_code
-                 for index in range(4)]
-        assert codes == [200, 200, 200, 503], codes
-        assert producer.metric("encoder_transport_refused_total") == 1
-        assert producer.metric("encoder_transport_held_bytes") == 6 << 10
-        # Once an item is read, its blocks may be reused: the fourth fits.
-        with producer.consumer() as consumer:
-            ((identifier, entry),) = announced(producer.encode([image_part(data_url(png_bytes(32, 32, 20)))]))
-            assert consumer.read(entry, identifier, torch.float32).shape == (4, 128)
-            assert producer.settled()
-        assert producer.encode([image_part(data_url(png_bytes(32, 32, 23)))]).status_code == 200
+    from encode_server.records import EncodeError
+
+    item = torch.ones(4, 128)  # 4 blocks of 512 bytes
+    with direct_producer(cpu_bytes=1 << 10) as producer:  # two blocks: less than one item
+        with pytest.raises(EncodeError) as refused:
+            publish(producer, ("big", item))
+        assert refused.value.status == 503 and refused.value.headers["Retry-After"]
+        assert "ec_cpu_bytes" in refused.value.message
+    with direct_producer(cpu_bytes=6 << 10, hold_s=30.0) as producer:  # room for three items nobody has read yet
+        for index in range(3):
+            publish(producer, (f"i{index}", item * index))
+        with pytest.raises(EncodeError) as refused:
+            publish(producer, ("i3", item))
+        assert refused.value.status == 503 and 1 <= int(refused.value.headers["Retry-After"]) <= 30
+        assert producer.stats.refused == 1 and producer.held_bytes == 6 << 10
+        # Once an item is read, its blocks may be reused: the fourth fits, evicting it.
+        with NixlConsumer(producer.block_size, producer.compat_hash) as consumer:
+            entry = publish(producer, ("i0", item * 0))["i0"]  # the same item again: no new blocks
+            assert torch.equal(consumer.read(entry, "i0", torch.float32), item * 0)
+            assert settled(producer)
+        publish(producer, ("i3", item))
+        assert producer.pool.entry("i0") is None and producer.pool.items == 3
 
 
 @pytest.mark.quick
