@@ -9,7 +9,8 @@ It starts this server (from the project's .venv) on the built-in tiny models wit
 ECCPUConnector (`ec_enable_nixl` true) and its side channel on loopback, and builds vLLM's consumer from its
 installed wheel: `ECCPUConnector` in the SCHEDULER role (vLLM's `ECCPUScheduler` with its NIXL data transport,
 ZMQ client transport and `ConsumerSession`s) and in the WORKER role (`ECCPUWorker`, the mmap region's loads
-into an encoder cache). The stand-ins are only what a running engine, or a GPU, would provide: a config object
+into an encoder cache; two tensor-parallel ranks, each loading every item, the scheduler unpinning once both
+reported). The stand-ins are only what a running engine, or a GPU, would provide: a config object
 with vLLM's own `ECTransferConfig` and the model's dtype and hidden size, the worker's tensor-parallel rank,
 the request records the connector reads, and, for the worker's copies, CPU versions of the CUDA calls the CPU
 wheel lacks (`swap_blocks_batch` as a memmove per descriptor, an event that is always complete, and
@@ -99,7 +100,8 @@ def cpu_stand_ins() -> None:
 class VllmConsumer:
     """vLLM's ECCPUConnector consumer (P2P mode): its scheduler and one worker, in this process."""
 
-    def __init__(self, hidden_size: int, model: str = CONSUMER_MODEL, region_bytes: int = 64 << 20) -> None:
+    def __init__(self, hidden_size: int, model: str = CONSUMER_MODEL, region_bytes: int = 64 << 20,
+                 ranks: int = 1) -> None:
         import torch
         from vllm.config import ECTransferConfig
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -111,12 +113,13 @@ class VllmConsumer:
         model_config = SimpleNamespace(dtype=torch.float32, model=model, get_inputs_embeds_size=lambda: hidden_size)
         self.config = SimpleNamespace(
             ec_transfer_config=transfer, model_config=model_config, instance_id=f"compat-{uuid.uuid4().hex[:8]}",
-            parallel_config=SimpleNamespace(tensor_parallel_size=1, prefill_context_parallel_size=1,
+            parallel_config=SimpleNamespace(tensor_parallel_size=ranks, prefill_context_parallel_size=1,
                                             data_parallel_index=0, distributed_executor_backend="mp"),
             use_v2_model_runner=True)
         self.scheduler = ECCPUConnector(self.config, ECConnectorRole.SCHEDULER)
-        self.worker = ECCPUConnector(self.config, ECConnectorRole.WORKER)
-        self.cache: dict = {}
+        # Every tensor-parallel rank maps the same region and loads every item into its own encoder cache.
+        self.workers = [ECCPUConnector(self.config, ECConnectorRole.WORKER) for _ in range(ranks)]
+        self.caches: list[dict] = [{} for _ in self.workers]
 
     def request(self, request_id: str, items: list[tuple[str, str, int]], params: dict) -> SimpleNamespace:
         features, offset = [], 0
@@ -127,21 +130,23 @@ class VllmConsumer:
             offset += rows + 1
         return SimpleNamespace(request_id=request_id, mm_features=features, ec_transfer_params=params)
 
-    def step(self):
-        """One engine step's connector calls without a load: the metadata goes to the worker as the engine sends it."""
+    def step(self) -> None:
+        """One engine step's connector calls: the scheduler's metadata to every worker, their reports back."""
         meta = self.scheduler.build_connector_meta(SimpleNamespace())
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_caches(self.cache)
-        self.worker.clear_connector_metadata()
-        self._report()
+        reported = None
+        for worker, cache in zip(self.workers, self.caches):
+            worker.bind_connector_metadata(meta)
+            worker.start_load_caches(cache)
+            worker.clear_connector_metadata()
+            produced = worker.build_connector_worker_meta()
+            if produced is not None:
+                reported = produced if reported is None else reported.aggregate(produced)
+        if reported is not None:
+            self.scheduler.update_connector_output(SimpleNamespace(ec_connector_worker_meta=reported))
 
-    def _report(self) -> None:
-        produced = self.worker.build_connector_worker_meta()
-        if produced is not None:
-            self.scheduler.update_connector_output(SimpleNamespace(ec_connector_worker_meta=produced))
-
-    def load(self, request, timeout_s: float = 30.0) -> dict | str:
-        """vLLM's steps for `request` until it is admitted and loaded: the encoder cache; or "unavailable"."""
+    def load(self, request, timeout_s: float = 30.0) -> list[dict] | str:
+        """vLLM's steps for `request` until it is admitted and loaded: each rank's encoder cache; or
+        "unavailable"."""
         deadline = time.monotonic() + timeout_s
         while not self.scheduler.ensure_cache_available(request, 0):
             if request.request_id in self.scheduler.take_unavailable_requests():
@@ -152,16 +157,13 @@ class VllmConsumer:
             time.sleep(0.002)
         for index in range(len(request.mm_features)):
             self.scheduler.update_state_after_alloc(request, index)
-        meta = self.scheduler.build_connector_meta(SimpleNamespace())
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_caches(self.cache)
-        self.worker.clear_connector_metadata()
-        self._report()
-        return self.cache
+        self.step()
+        return self.caches
 
     def close(self) -> None:
         self.scheduler.shutdown()
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -215,10 +217,11 @@ def check_case(server, consumer: VllmConsumer, step: str, parts: list[dict], mod
                   response.text[:300] if response.status_code != 200 else ""):
         return False
     request, items = consumer_request(consumer, response, modalities)
-    cache = consumer.load(request)
-    same = cache != "unavailable" and all(torch.equal(cache[mm_hash], rows)
-                                          for (mm_hash, *_), rows in zip(items, natives))
-    return record(f"{step}: vLLM's consumer loaded rows bit-identical to native /encode", same)
+    caches = consumer.load(request)
+    same = caches != "unavailable" and all(torch.equal(cache[mm_hash], rows) for cache in caches
+                                           for (mm_hash, *_), rows in zip(items, natives))
+    return record(f"{step}: vLLM's consumer ({len(consumer.workers)} rank(s)) loaded rows bit-identical to "
+                  f"native /encode", same)
 
 
 def settled(server, timeout_s: float = 5.0) -> tuple:
@@ -253,7 +256,7 @@ def run(args) -> None:
     with start_server(args, "tiny-qwen2.5-vl", free_port()) as server:
         info = httpx.get(f"{server.url}/server_info").json()
         hidden = info["model"]["hidden_size"]
-        consumer = VllmConsumer(hidden)
+        consumer = VllmConsumer(hidden, ranks=2)
         try:
             first, second = png(64, 48, 1), png(40, 56, 2)
             parts = [{"type": "image_url", "image_url": {"url": data_url(first, "image/png")}},
@@ -293,8 +296,8 @@ def run(args) -> None:
                     same.append(False)
                     continue
                 request, items = consumer_request(consumer, response, ["image"])
-                cache = consumer.load(request)
-                same.append(cache != "unavailable" and torch.equal(cache[items[0][0]], rows))
+                caches = consumer.load(request)
+                same.append(caches != "unavailable" and all(torch.equal(cache[items[0][0]], rows) for cache in caches))
             record("8 concurrent requests: all 200, rows bit-identical", all(same), str(same))
             # An item the producer never had: MISSING, and vLLM fails the request as unavailable.
             request = consumer.request("missing", [("0" * 64, "image", 4)], {"0" * 64: {
