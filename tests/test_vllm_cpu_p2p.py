@@ -232,6 +232,15 @@ def test_the_nacks_vllm_defines():
         assert producer.malformed == 1
         assert torch.equal(consumer.read(entry, "item", torch.float32), rows)
         assert settled(producer)
+        # Once a session has read, its acks leave the pool's descriptors out; a new session gets them.
+        later = consumer.ask(host, port, "item")
+        assert later["status"] == 0 and "mem_descriptor" not in later
+        consumer.pull(later, "item")
+        with NixlConsumer(producer.block_size, producer.compat_hash) as fresh:
+            first = fresh.ask(host, port, "item")
+            assert first["mem_descriptor"] == producer.pool.mem_descriptor
+            fresh.pull(first, "item")
+        assert settled(producer)
 
 
 def test_concurrent_requests_are_read_bit_identical_and_leave_nothing_held():

@@ -20,7 +20,10 @@ scheduler's `request_finished`), as an EPD proxy drives an encoder instance and 
    session id, `MISSING` for an item the pool does not hold, `NOT_READY` for one still being copied in
    (the consumer asks again).
 5. The consumer READs the blocks with NIXL and sends the notification `"{session_id}:{mm_hash}"`; the pin
-   ends there. A pin whose notification does not come within `producer_pin_lease_s` (vLLM's 30 s) ends
+   ends there. A session that has completed a read has registered this agent (whose metadata never
+   changes), so its later acks leave the descriptors out (msgspec's default, empty): vLLM's consumer reads
+   them only when it registers a producer, and for a pool of gigabytes they are megabytes per ack. A pin
+   whose notification does not come within `producer_pin_lease_s` (vLLM's 30 s) ends
    anyway, counted as a failure: a consumer that dies mid-read holds its own items only that long, and
    nobody else's. A second request for a pin it still holds replaces it, as vLLM's producer does.
 
@@ -37,6 +40,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +64,8 @@ CONNECTOR_VERSION = 2
 OK, NACK_MISSING, NACK_INCOMPAT, NACK_VERSION, NACK_INTERNAL, NACK_NOT_READY = range(6)
 #: Threads copying rows into the pool at once.
 COPY_THREADS = 4
+#: Consumer sessions remembered as having registered this agent (their acks carry no descriptors).
+SESSIONS_KEPT = 4096
 WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
@@ -100,6 +106,7 @@ class CPUConnectorProducer:
                                   config.cpu_bytes)
         self._grants: dict[str, _Grant] = {}  # "{session_id}:{mm_hash}" -> the pin held for that read
         self._grants_lock = threading.Lock()
+        self._registered: OrderedDict[str, None] = OrderedDict()  # sessions that completed a read (side channel's)
         self._copies = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="ec-cpu-copy")
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
@@ -261,9 +268,11 @@ class CPUConnectorProducer:
                                        len(entry.block_ids) * self.block_size)
         if previous is not None:
             self.pool.unpin(previous.mm_hash, read=False)
-        return {"type": "ack", "mm_hash": mm_hash, "status": OK, "session_id": session,
-                "src_block_indices": list(entry.block_ids), "agent_metadata": self.pool.agent_metadata,
-                "mem_descriptor": self.pool.mem_descriptor}
+        ack = {"type": "ack", "mm_hash": mm_hash, "status": OK, "session_id": session,
+               "src_block_indices": list(entry.block_ids), "agent_metadata": self.pool.agent_metadata}
+        if session not in self._registered:
+            ack["mem_descriptor"] = self.pool.mem_descriptor
+        return ack
 
     def _drain_notifications(self) -> None:
         now = time.monotonic()
@@ -278,6 +287,10 @@ class CPUConnectorProducer:
                 if grant is not None:
                     self.pool.unpin(grant.mm_hash, read=True)
                     self.stats.transferred(grant.nbytes, now - grant.started)
+                    self._registered[key.partition(":")[0]] = None
+                    self._registered.move_to_end(key.partition(":")[0])
+                    while len(self._registered) > SESSIONS_KEPT:
+                        self._registered.popitem(last=False)
 
     def _sweep(self) -> None:
         now = time.monotonic()
