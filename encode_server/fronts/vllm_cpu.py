@@ -103,7 +103,7 @@ class CPUConnectorProducer:
         self.factors = [vllm_version, model, str(dtype), self.block_size]
         self.compat_hash = compatibility_hash(*self.factors)
         self.pool = NixlBlockPool(config.engine_id or f"encode-server-{uuid.uuid4()}", self.block_size,
-                                  config.cpu_bytes)
+                                  config.cpu_bytes, progress_thread=config.progress_thread)
         self._grants: dict[str, _Grant] = {}  # "{session_id}:{mm_hash}" -> the pin held for that read
         self._grants_lock = threading.Lock()
         self._registered: OrderedDict[str, None] = OrderedDict()  # sessions that completed a read (side channel's)
@@ -206,7 +206,9 @@ class CPUConnectorProducer:
         poller.register(self._router, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if dict(poller.poll(20)).get(self._router):
+                # While reads are granted the agent's progress (over TCP, a READ advances only with it) comes
+                # from here, every millisecond; idle, a request wakes the poll at once.
+                if dict(poller.poll(1 if self._grants else 20)).get(self._router):
                     self._answer_all()
                 self._drain_notifications()
                 self._sweep()

@@ -16,7 +16,8 @@ instead:
   consumer's block size, which the consumer reads (`fronts/vllm_cpu.py`). `ec_cpu_bytes` (required, as
   vLLM requires it) is the pool, the bound on registered memory; `engine_id` names the NIXL agent;
   `producer_pin_lease_s` bounds how long a consumer's read may pin an item (vLLM's 30 s) and
-  `unread_hold_s` how long an item nobody has read yet is kept from eviction. The side channel's address
+  `unread_hold_s` how long an item nobody has read yet is kept from eviction; `nixl_progress_thread` true
+  runs NIXL's own progress thread (it spins: a core's worth, for lower read latency). The side channel's address
   is vLLM's `VLLM_EC_SIDE_CHANNEL_HOST`/`_PORT` (`--ec-side-channel-host`/`-port`). Without
   `ec_enable_nixl` the connector only offloads within one vLLM instance, which an encoder outside it
   cannot serve: refused.
@@ -56,12 +57,13 @@ class ECTransferConfig:
     engine_id: str | None = None  # ECCPUConnector: the NIXL agent's name (vLLM: a fresh uuid)
     pin_lease_s: float = 30.0  # ECCPUConnector: how long one read may pin an item (vLLM's PRODUCER_PIN_LEASE_S)
     hold_s: float = 60.0  # ECCPUConnector: how long an item not read yet is kept from eviction
+    progress_thread: bool = False  # ECCPUConnector: NIXL's own (spinning) progress thread
 
     def public_dict(self) -> dict[str, Any]:
         if self.connector == CPU:
             return {"ec_connector": self.connector, "ec_role": self.role, "engine_id": self.engine_id,
                     "ec_cpu_bytes": self.cpu_bytes, "ec_enable_nixl": True, "producer_pin_lease_s": self.pin_lease_s,
-                    "unread_hold_s": self.hold_s}
+                    "unread_hold_s": self.hold_s, "nixl_progress_thread": self.progress_thread}
         return {"ec_connector": self.connector, "ec_role": self.role, "ec_buffer_device": self.buffer_device,
                 "ec_buffer_size": self.buffer_size, "ec_ip": self.ip, "ec_port": self.port,
                 "mooncake_protocol": self.protocol, "control_timeout_s": self.control_timeout_s,
@@ -160,4 +162,5 @@ def _cpu_connector(data: dict, extra: dict) -> ECTransferConfig:
     return ECTransferConfig(
         CPU, "ec_producer", cpu_bytes=_positive("ec_cpu_bytes", extra.get("ec_cpu_bytes")), engine_id=engine_id,
         pin_lease_s=_positive("producer_pin_lease_s", extra.get("producer_pin_lease_s", 30), float),
-        hold_s=_positive("unread_hold_s", extra.get("unread_hold_s", 60), float))
+        hold_s=_positive("unread_hold_s", extra.get("unread_hold_s", 60), float),
+        progress_thread=_flag(extra.get("nixl_progress_thread", False)))
