@@ -138,7 +138,8 @@ def bench_nixl(args, sizes: list[int]) -> int:
     quiet_ucx_exit()
     block = args.block_bytes
     most = max(-(-size // block) for size in sizes)
-    config = ECTransferConfig("ECCPUConnector", "ec_producer", cpu_bytes=3 * most * block, hold_s=0.001)
+    config = ECTransferConfig("ECCPUConnector", "ec_producer", cpu_bytes=3 * most * block, hold_s=0.001,
+                              progress_thread=args.progress_thread)
     port = free_port()
     ours = CPUConnectorProducer(config, "bench", block // 4, torch.float32, "bench", "0.33.0", "127.0.0.1", port)
     bare = nixl_agent("bare-producer", nixl_agent_config(backends=["UCX"]))
@@ -155,7 +156,8 @@ def bench_nixl(args, sizes: list[int]) -> int:
     process.start()
     assert parent.recv() == "ready"
     print(f"NIXL reads (UCX, UCX_TLS {os.environ.get('UCX_TLS', 'default')}) on loopback, blocks of {block} bytes; "
-          f"{args.count} items per measurement, {args.repeats} repeats\n")
+          f"{args.count} items per measurement, {args.repeats} repeats; ours "
+          f"{'with' if args.progress_thread else 'without'} NIXL's progress thread\n")
     print("| size | bare GB/s | bare+copy GB/s | ours GB/s | ours / bare | ours / bare+copy |")
     print("| --- | --- | --- | --- | --- | --- |")
     serial = 0
@@ -220,6 +222,9 @@ def main() -> int:
     parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="Mooncake's transport")
     parser.add_argument("--block-bytes", type=int, default=3584 * 4,
                         help="NIXL: the consumer's block (one row of the language model: Qwen2.5-VL-7B's 3584 float32)")
+    parser.add_argument("--progress-thread", action="store_true",
+                        help="NIXL: run ours with NIXL's own progress thread (ec_connector_extra_config."
+                             "nixl_progress_thread), as the bare agent runs")
     args = parser.parse_args()
     if args.library == "nixl":
         return bench_nixl(args, [int(float(size) * (1 << 20)) for size in args.sizes_mb.split(",")])

@@ -207,11 +207,14 @@ class CPUConnectorProducer:
         while not self._stop.is_set():
             try:
                 # While reads are granted the agent's progress (over TCP, a READ advances only with it) comes
-                # from here, every millisecond; idle, a request wakes the poll at once.
-                if dict(poller.poll(1 if self._grants else 20)).get(self._router):
+                # from here, as often as the thread gets to run; idle, a request wakes the poll at once.
+                reading = bool(self._grants)
+                if dict(poller.poll(0 if reading else 20)).get(self._router):
                     self._answer_all()
                 self._drain_notifications()
                 self._sweep()
+                if reading:
+                    time.sleep(0.00005)
             except zmq.ContextTerminated:
                 return
             except Exception:  # noqa: BLE001 - the side channel must outlive any one bad exchange
