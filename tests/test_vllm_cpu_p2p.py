@@ -367,6 +367,7 @@ def test_configurations_the_connector_cannot_honour_are_refused_in_one_line():
         Settings(ec_transfer_config=good, ec_side_channel_host="0.0.0.0")
     settings = Settings(ec_transfer_config=good)
     assert settings.vllm_push.cpu_bytes == 10**6 and settings.vllm_push.pin_lease_s == 30.0
+    assert settings.vllm_push.progress_thread is False
 
 
 @pytest.mark.quick
