@@ -25,8 +25,8 @@ start-up (`notifications`, `close`) comes from one thread, the front's side-chan
 NIXL's own progress thread polls without pause (its Python API fixes the delay at 0): about 0.7 of a core
 for an idle agent, measured on a 2-core VM. By default the agent runs without it, and the UCX worker
 advances whenever `notifications` is called; over TCP a consumer's READ of this memory needs that progress
-on this side, so the front calls it every millisecond while reads are granted (`progress_thread=True`
-gives NIXL's thread back, for hosts with cores to spare).
+on this side, so the front calls it continuously (with 50 µs pauses) while reads are granted, and every
+20 ms otherwise (`progress_thread=True` gives NIXL's thread back, for hosts with cores to spare).
 """
 
 from __future__ import annotations
