@@ -129,7 +129,7 @@ def announced(response: httpx.Response) -> list[tuple[str, dict]]:
 
 def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held():
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
-    from encode_server.media.vllm_video import decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_video
 
     from tests.test_vllm_producer import frames_item
 
@@ -170,7 +170,7 @@ def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held()
 
 def test_audio_is_read_bit_identical():
     clip = (GOLDEN_ROOT / "vllm-audio" / "mono16k.wav").read_bytes()
-    from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
+    from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 
     with Producer("--model", "tiny-qwen2-audio") as producer, producer.consumer() as consumer:
         part = {"type": "input_audio", "input_audio": {"data": b64(clip), "format": "wav"}}

@@ -249,7 +249,7 @@ def start_server(args, model: str, port: int):
 def run(args) -> None:
     import httpx
     import torch
-    from encode_server.media.vllm_video import decode_vllm_video
+    from encode_server.fronts.vllm.video import decode_vllm_video
 
     from tests.helpers import free_port
 
@@ -337,7 +337,7 @@ def run(args) -> None:
 
 def audio_case(args) -> None:
     import httpx
-    from encode_server.media.vllm_audio import Resampler, decode_vllm_audio
+    from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 
     from tests.helpers import free_port
 
