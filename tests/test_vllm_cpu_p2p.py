@@ -130,7 +130,6 @@ def announced(response: httpx.Response) -> list[tuple[str, dict]]:
 def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held():
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
     from encode_server.fronts.vllm.video import decode_vllm_video
-
     from tests.test_vllm_producer import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)

@@ -249,8 +249,8 @@ def start_server(args, model: str, port: int):
 def run(args) -> None:
     import httpx
     import torch
-    from encode_server.fronts.vllm.video import decode_vllm_video
 
+    from encode_server.fronts.vllm.video import decode_vllm_video
     from tests.helpers import free_port
 
     with start_server(args, "tiny-qwen2.5-vl", free_port()) as server:
@@ -337,8 +337,8 @@ def run(args) -> None:
 
 def audio_case(args) -> None:
     import httpx
-    from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 
+    from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
     from tests.helpers import free_port
 
     clip = (ROOT / "tests" / "golden" / "vllm-audio" / "mono16k.wav").read_bytes()
