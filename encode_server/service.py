@@ -255,10 +255,8 @@ class EncoderService:
         every failure but a cancellation (the client went away)."""
         with self.admission.admit(request) as ticket:
             try:
-                # In this task (`wait_for` would run the work in a task of its own: one more per request).
-                async with asyncio.timeout(ticket.timeout_s):
-                    part, answer = await work(ticket.deadline)
-            except TimeoutError:
+                part, answer = await asyncio.wait_for(work(ticket.deadline), ticket.timeout_s)
+            except asyncio.TimeoutError:
                 error = EncodeError(504, f"request timed out after {ticket.timeout_s:g} s{timeout_hint}",
                                     request.req_id)
             except EncodeError as exc:
@@ -284,15 +282,13 @@ class EncoderService:
         response."""
         if self.stager is not None and not request.return_embedding:  # rows asked for inline are not staged
             # Only a job of all the part's items gives its sizes (with the cache on, a job may hold only misses).
-            told = SIZES_KNOWN.set(lambda layouts: len(layouts) == len(request.mm_items) and
-                                   self.stager.publish(meta, layouts))
+            SIZES_KNOWN.set(lambda layouts: len(layouts) == len(request.mm_items) and
+                            self.stager.publish(meta, layouts))
             try:
                 part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
             except EncodeError as error:
                 self.stager.fail(meta, error)
                 raise
-            finally:  # the work runs in the caller's task: what comes after it in that task is not this part
-                SIZES_KNOWN.reset(told)
             extra = self.stager.stage(meta, part)
             response = await encode_response(meta, part, request.return_embedding, self.metrics,
                                              self.adapter.info.deepstack_of(meta.modality))
@@ -309,8 +305,7 @@ class EncoderService:
         """Fetch and decode a part's items (each on its own), then encode them in a fused batch; with the
         embedding cache on, only the items it does not hold (health probes always go to the encoder)."""
         decode_started = time.perf_counter()
-        # Its decodes queue by priority; set for this call only (it runs in the caller's task).
-        ranked = CURRENT_PRIORITY.set(priority)
+        CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
             if self.cached is not None and not probe:
@@ -318,8 +313,6 @@ class EncoderService:
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
-        finally:
-            CURRENT_PRIORITY.reset(ranked)
         return await self._submit(meta, loaded, time.perf_counter() - decode_started, deadline, priority, probe)
 
     async def _submit(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, deadline: float,

@@ -1,20 +1,15 @@
 """The `/encode` exchange runs in the request's own task, and a hang-up cancels that task (no second task
 for the work): the answer is 499, the task is left as it was (not marked cancelled), and a cancellation
-that is not the client's (the server stopping) still propagates. The delivery's ZMQ I/O thread runs
-batch-scheduled, so a send never preempts the loop that made it."""
+that is not the client's (the server stopping) still propagates."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import time
 from types import SimpleNamespace
 
 import orjson
 import pytest
 
-from encode_server.delivery.sockets import EmbeddingSender
 from encode_server.fronts.native.routes import CLIENT_CLOSED, answer_encode
 
 LIMIT = 1 << 20
@@ -104,26 +99,3 @@ async def test_a_cancellation_that_is_not_the_clients_propagates():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert service.cancelled
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies are Linux's")
-def test_the_delivery_io_thread_is_batch_scheduled():
-    sender = EmbeddingSender(1.0)
-    try:
-        sender._socket("tcp://127.0.0.1:9")  # starts the context's threads; nothing listens, nothing is sent
-        policies: dict[str, int] = {}
-        for _ in range(100):
-            for tid in os.listdir("/proc/self/task"):
-                try:
-                    with open(f"/proc/self/task/{tid}/comm") as comm, open(f"/proc/self/task/{tid}/stat") as stat:
-                        policies[f"{comm.read().strip()}:{tid}"] = int(stat.read().rpartition(")")[2].split()[38])
-                except OSError:
-                    continue
-            if any(name.startswith("ZMQbg/IO") for name in policies):
-                break
-            time.sleep(0.01)
-        io_threads = {name: policy for name, policy in policies.items() if name.startswith("ZMQbg/IO")}
-        assert io_threads and set(io_threads.values()) == {os.SCHED_BATCH}, policies
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the calling thread keeps its policy
-    finally:
-        sender.close()

@@ -17,9 +17,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
-import os
 import re
-import threading
 from collections import deque
 from collections.abc import Sequence
 
@@ -145,47 +143,13 @@ class _PushSocket:
         self.sock.close(0)
 
 
-def batch_scheduled_context() -> zmq.Context:
-    """A context whose I/O thread runs under Linux's `SCHED_BATCH` (elsewhere: the default policy).
-
-    Each send wakes that thread; under the default policy the woken thread preempts whatever runs on its
-    core (the event loop that sent, or the forward), and a busy server pays two thread switches per
-    delivered request. A batch-scheduled thread never preempts on waking: it runs on an idle core at
-    once, and on a busy one when the running thread sleeps or its time slice ends (a few milliseconds
-    at most, against requests that take tens)."""
-    context = zmq.Context()
-    if _batch_scheduling_allowed():  # libzmq aborts the process if its thread cannot take the policy
-        context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)  # before the first socket starts the thread
-    return context
-
-
-@functools.cache
-def _batch_scheduling_allowed() -> bool:
-    """Whether a thread of this process may switch itself to `SCHED_BATCH` (tried on a throwaway thread)."""
-    if not hasattr(os, "SCHED_BATCH"):
-        return False
-    allowed: list[bool] = []
-
-    def attempt() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread
-            allowed.append(True)
-        except OSError:
-            allowed.append(False)
-
-    trial = threading.Thread(target=attempt, name="sched-batch-check")
-    trial.start()
-    trial.join()
-    return bool(allowed and allowed[0])
-
-
 class EmbeddingSender:
     """One cached PUSH socket per endpoint, used only from the event loop."""
 
     def __init__(self, send_timeout_s: float, high_water_mark: int = 64) -> None:
         self.send_timeout_s = send_timeout_s
         self._high_water_mark = high_water_mark
-        self._context = batch_scheduled_context()
+        self._context = zmq.Context()
         self._sockets: dict[str, _PushSocket] = {}
 
     def _socket(self, endpoint: str) -> _PushSocket:
