@@ -8,6 +8,7 @@ series for the model's modalities exist from start-up (at 0), so a dashboard sho
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -214,6 +215,11 @@ class ServerMetrics:
         for step in ("collect", "trim"):
             self.housekeeping.labels(step)
         self.performance = PerformanceWindow()
+        # The series every request or batch touches: `labels()` takes a lock and builds its key on each call,
+        # a memo returns the same child from a dict (the label values are few: modalities, statuses, stages).
+        for metric in (self.requests_total, self.request_duration, self.preprocess, self.transfer,
+                       self.queue_wait, self.batch_size, self.batch_tokens, self.forward):
+            metric.labels = functools.lru_cache(maxsize=None)(metric.labels)
         for modality in modalities:
             self._create_series(modality)
 

@@ -38,25 +38,34 @@ async def answer_encode(service: EncoderService, limit: int, declared_length: st
     """One whole `/encode` exchange: (status, JSON body, headers). The request is raced against
     `hangup`, so a client that goes away never costs an encoder forward."""
     payload: Any = None
+    hung_up = False
     try:
         body = await read_limited(declared_length, chunks, limit)
         payload = await asyncio.to_thread(parse_json, body) if len(body) > _INLINE_JSON_LIMIT else parse_json(body)
-        work = asyncio.ensure_future(service.encode(payload))
-        gone = asyncio.ensure_future(hangup())
+        # The work runs in this task and a watcher cancels it when the client hangs up: one task per request
+        # besides this one, where racing two tasks cost two and a waiter.
+        task = asyncio.current_task()
+
+        async def watch() -> None:
+            nonlocal hung_up
+            await hangup()
+            hung_up = True
+            task.cancel()
+
+        gone = asyncio.get_running_loop().create_task(watch())
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return 200, await service.encode(payload), {}
         finally:
             gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            return CLIENT_CLOSED, error_body("client disconnected", request_id_of(payload)), {}
-        return 200, work.result(), {}
+            if hung_up:  # the cancellation was the watcher's (answered below, or swallowed by the work)
+                task.uncancel()
     except EncodeError as error:
         if error.req_id is None:
             error.req_id = request_id_of(payload)
         return error.status, error.body(), error.headers
     except asyncio.CancelledError:
+        if hung_up:
+            return CLIENT_CLOSED, error_body("client disconnected", request_id_of(payload)), {}
         if not service.admission.draining:
             raise
         # The server exits (a second signal) while this request is in flight: answer 503, not uvicorn's 500.
