@@ -4,7 +4,7 @@ sockets standing in for SGLang's prefill side, and SGLang's request forms: the `
 `"embedding_port": null`, its ranks registering `host:port` / `[v6]:port` with `receive_count`), and
 its extra fields (`encoder_idx`, `encoder_url`, `time_stats_json`, `modality` in registrations).
 
-Frame 0 is read with the restricted stand-in unpickler of tests/fronts/test_sglang_wire.py and compared with
+Frame 0 is read with the restricted stand-in unpickler of tests/support/sglang_frames.py and compared with
 what `SglangFrames` writes for the same values (itself byte-identical to SGLang's own pickles there).
 The real SGLang receiver is exercised by tools/compat/sglang_compat.py (not in CI: it needs SGLang).
 """

@@ -1,6 +1,6 @@
 """The tests' own layout: test modules by subject in packages that say their job, support in `tests/support/`,
-imports one way (the tools may import the test support; no test imports a tool, and nothing outside tests/ imports
-a test module), and tiers declared in the modules themselves."""
+imports one way (the tools may import the test support; no test imports a tool or another test module, and nothing
+outside tests/ imports a test module), and tiers declared in the modules themselves."""
 
 from __future__ import annotations
 
@@ -53,10 +53,11 @@ def test_outside_tests_only_the_support_is_imported():
     assert wrong == []
 
 
-def test_support_imports_no_test_module():
-    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}" for path in modules(TESTS / "support")
-             for line, module in imported(path) if module.startswith("tests.") and
-             any(part.startswith("test_") for part in module.split("."))]
+def test_no_module_imports_a_test_module():
+    """What two test modules share belongs in tests/support/."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}" for path in modules(TESTS)
+             for line, module in imported(path)
+             if module.split(".")[0] == "tests" and any(part.startswith("test_") for part in module.split("."))]
     assert wrong == []
 
 

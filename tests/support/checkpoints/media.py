@@ -1,6 +1,6 @@
-"""The seeded media and prompts the Kimi K2.5, GLM-5-Next and MiniMax-M3 VL tests share (and the SGLang
-harness with them): images and clips sized to be resized up and down, with odd and even frame counts, and
-per model type the prompt a user turn holds for one item."""
+"""What the Kimi K2.5, GLM-5-Next and MiniMax-M3 VL tests share (and the SGLang harness with them): seeded images
+and clips sized to be resized up and down, with odd and even frame counts; per model type the prompt a user turn
+holds for one item (`PROMPTS`) and the family's checkpoint builder (`CHECKPOINTS`)."""
 
 from __future__ import annotations
 
