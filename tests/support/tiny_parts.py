@@ -1,5 +1,8 @@
-"""Parts every tiny test checkpoint is made of: seeded random images, a word-level tokenizer built offline, and
-saving a model with its processor.
+"""Parts the tiny test checkpoints (`tests/support/checkpoints/`) are made of, each written once: seeded media
+(`random_image`, `clip`/`video`, `waveform`, `wav_b64`), tokenizers built offline (word-level `word_tokenizer` and
+`tiny_tokenizer`, character-level `char_tokenizer`), small language-model configs (`TEXT`, `small_text`), saving a
+model with its processor, the processor `transformers` resolves from a folder (`as_resolved`), and the prefill
+side's recorded processor files (`install_reference_processor`).
 
 Importable without the project's test helpers (only numpy, PIL, tokenizers and transformers), like the checkpoint
 modules that use it, so `tools/compat/sglang_compat.py` can build the same folders in the side venv.
@@ -143,6 +146,7 @@ TEXT_WORDS = ["hello", "image", "here", "is", "the", "original", "and", "are", "
               "see", "better", "describe"]
 
 
-def _text(hidden: int = 64, **extra) -> dict:
+def small_text(hidden: int = 64, **extra) -> dict:
+    """A one-layer language model's config, small enough for CPU tests."""
     return dict(vocab_size=64, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, **extra)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.tiny_parts import TEXT_WORDS, _text, word_tokenizer
+from tests.support.tiny_parts import TEXT_WORDS, small_text, word_tokenizer
 
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
@@ -18,7 +18,7 @@ def gemma3_checkpoint(folder: Path, image_seq_length: int = 16):
 
     tokenizer = word_tokenizer(TEXT_WORDS, list(GEMMA3_TOKENS.values()), GEMMA3_TOKENS)
     config = Gemma3Config(
-        text_config=_text(head_dim=32),
+        text_config=small_text(head_dim=32),
         vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            image_size=56, patch_size=7, vision_use_head=False),
         mm_tokens_per_image=16, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,

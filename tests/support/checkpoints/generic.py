@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.tiny_parts import TEXT_WORDS, _text, word_tokenizer
+from tests.support.tiny_parts import TEXT_WORDS, small_text, word_tokenizer
 
 
 def llava_checkpoint(folder: Path, num_additional_image_tokens: int = 1):
@@ -17,7 +17,7 @@ def llava_checkpoint(folder: Path, num_additional_image_tokens: int = 1):
 
     tokenizer = word_tokenizer(TEXT_WORDS, ["<image>"], {"image_token": "<image>"})
     config = LlavaConfig(
-        text_config=_text(model_type="llama"),
+        text_config=small_text(model_type="llama"),
         vision_config=dict(model_type="clip_vision_model", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, image_size=28, patch_size=7, projection_dim=32),
         image_token_id=tokenizer.image_token_id, vision_feature_select_strategy="default", vision_feature_layer=-2,
@@ -44,7 +44,7 @@ def blip2_checkpoint(folder: Path):
                            image_size=28, patch_size=7),
         qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                             encoder_hidden_size=32, vocab_size=64),
-        text_config=_text(model_type="opt", ffn_dim=96, word_embed_proj_dim=64), num_query_tokens=4,
+        text_config=small_text(model_type="opt", ffn_dim=96, word_embed_proj_dim=64), num_query_tokens=4,
         image_token_index=tokenizer.image_token_id,
     )
     model = Blip2ForConditionalGeneration(config).eval()
@@ -59,6 +59,6 @@ def llama_checkpoint(folder: Path):
     """A text-only model: nothing to encode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(**_text())).save_pretrained(folder)
+    LlamaForCausalLM(LlamaConfig(**small_text())).save_pretrained(folder)
     word_tokenizer(TEXT_WORDS, []).save_pretrained(folder)
     return folder

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.tiny_parts import TEXT_WORDS, _text, word_tokenizer
+from tests.support.tiny_parts import TEXT_WORDS, small_text, word_tokenizer
 
 ONEVISION_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28], [84, 84]]
 
@@ -23,7 +23,7 @@ def llava_onevision_checkpoint(folder: Path, tower: str = "siglip_vision_model",
 
     tokenizer = word_tokenizer(TEXT_WORDS, ["<image>", "<video>"], {"image_token": "<image>", "video_token": "<video>"})
     config = LlavaOnevisionConfig(
-        text_config=_text(model_type="qwen2"),
+        text_config=small_text(model_type="qwen2"),
         vision_config=dict(model_type=tower, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, image_size=28, patch_size=7),
         image_token_id=tokenizer.image_token_id, video_token_id=tokenizer.video_token_id,

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from tests.support.paths import ROOT
-from tests.support.tiny_parts import TEXT_WORDS, _text, word_tokenizer
+from tests.support.tiny_parts import TEXT_WORDS, small_text, word_tokenizer
 
 MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
@@ -26,7 +26,7 @@ def mistral3_checkpoint(folder: Path):
 
     tokenizer = word_tokenizer(TEXT_WORDS, MISTRAL3_TOKENS)
     config = Mistral3Config(
-        text_config=_text(model_type="mistral", head_dim=32),
+        text_config=small_text(model_type="mistral", head_dim=32),
         vision_config=dict(model_type="pixtral", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, head_dim=12, image_size=112, patch_size=7),
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
