@@ -1,4 +1,5 @@
-"""Mooncake TransferEngine writes: ours (`transport.mooncake.MooncakeEngine`) against the bare library, on loopback.
+"""Transfers on loopback, ours against the bare library: Mooncake TransferEngine writes (`--library mooncake`,
+`transport.mooncake.MooncakeEngine`) and NIXL reads (`--library nixl`, the `ECCPUConnector` producer).
 
 The receiving side runs in a separate process (as a consumer rank does): a TransferEngine with a registered
 buffer, which hands its session and buffer address back over a pipe. The sending side runs here, one item
@@ -14,12 +15,29 @@ Each repeat measures the three back to back (so drift on a shared machine hits t
 GB/s over `--count` items, and the ratio to bare is taken per repeat and printed as median [min-max].
 
     python benchmarks/transport.py --sizes-mb 1,16,64 --count 20 --repeats 5 --protocol tcp
+
+With `--library nixl` the consumer process reads (as vLLM's `ECCPUConnector` consumer does: one NIXL READ of
+an item's blocks, in blocks of `--block-bytes`, with its notification) and this process produces:
+
+    bare        the library alone: a registered buffer already holding the item, read per item
+    bare+copy   the same, the item's bytes copied into the registered buffer before each read (what any
+                producer of rows just computed must do, unless it computes into registered memory)
+    ours        `fronts.vllm.cpu_connector.CPUConnectorProducer`: the rows put into its pool (blocks taken, bytes
+                copied), then the consumer's XferReq and our XferAck over the side channel, the READ, and
+                the notification our side channel drains (the pin released), counters and all
+
+The NIXL figure is the item's size over the median time per item of the `--count` items of a repeat: on a
+shared machine single reads swing by two orders of magnitude (the producer's UCX progress thread must be
+scheduled for a READ over TCP), and a sum would be the outliers'.
+
+    python benchmarks/transport.py --library nixl --sizes-mb 1,16,64 --count 10 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -78,13 +96,138 @@ def measure(bare, ours, session: str, address: int, size: int, count: int, repea
     return results
 
 
+def nixl_reader(connection, block_size: int, blocks: int, compat: str) -> None:
+    """The consumer process: reads what it is told to, and says how long each read took."""
+    from tests.nixl_consumer import NixlConsumer
+
+    with NixlConsumer(block_size, compat, num_blocks=blocks) as consumer:
+        connection.send("ready")
+        while (command := connection.recv()) != "stop":
+            if command[0] == "bare":
+                _, metadata, descriptor, count, repeat = command
+                ack = {"agent_metadata": metadata, "mem_descriptor": descriptor, "src_block_indices": range(count)}
+                consumer.pull(ack, "bare")  # connects once
+                times = []
+                for _ in range(repeat):
+                    started = time.perf_counter()
+                    consumer.pull(ack, "bare")
+                    times.append(time.perf_counter() - started)
+                connection.send(times)
+            else:
+                _, host, port, mm_hash = command
+                started = time.perf_counter()
+                ack = consumer.ask(host, port, mm_hash)
+                assert ack["status"] == 0, ack
+                consumer.pull(ack, mm_hash)
+                connection.send(time.perf_counter() - started)
+
+
+def bench_nixl(args, sizes: list[int]) -> int:
+    import asyncio  # noqa: F401 - the producer's module expects a loop-capable process
+    import mmap
+
+    import numpy as np
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer
+    from encode_server.ops.transfer_config import ECTransferConfig
+    from encode_server.transport.nixl import block_descriptors, quiet_ucx_exit
+    from tests.helpers import free_port
+
+    quiet_ucx_exit()
+    block = args.block_bytes
+    most = max(-(-size // block) for size in sizes)
+    config = ECTransferConfig("ECCPUConnector", "ec_producer", cpu_bytes=3 * most * block, hold_s=0.001,
+                              progress_thread=args.progress_thread)
+    port = free_port()
+    ours = CPUConnectorProducer(config, "bench", block // 4, torch.float32, "bench", "0.33.0", "127.0.0.1", port)
+    bare = nixl_agent("bare-producer", nixl_agent_config(backends=["UCX"]))
+    area = mmap.mmap(-1, most * block)
+    buffer = np.frombuffer(area, dtype=np.uint8)
+    registration = bare.get_reg_descs([(buffer.ctypes.data, most * block, 0, "")], "DRAM")
+    bare.register_memory(registration, backends=["UCX"])
+    import msgpack
+
+    descriptor = msgpack.packb(block_descriptors(buffer.ctypes.data, most, block))
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=nixl_reader, args=(child, block, most + 1, ours.compat_hash))
+    process.start()
+    assert parent.recv() == "ready"
+    print(f"NIXL reads (UCX, UCX_TLS {os.environ.get('UCX_TLS', 'default')}) on loopback, blocks of {block} bytes; "
+          f"{args.count} items per measurement, {args.repeats} repeats; ours "
+          f"{'with' if args.progress_thread else 'without'} NIXL's progress thread\n")
+    print("| size | bare GB/s | bare+copy GB/s | ours GB/s | ours / bare | ours / bare+copy |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    serial = 0
+    try:
+        for size in sizes:
+            rows = size // block
+            nbytes = rows * block
+            source = torch.randn(rows, block // 4)
+            flat = source.view(torch.uint8).numpy().reshape(-1)
+            buffer[:nbytes] = flat
+            results: dict[str, list[float]] = {"bare": [], "bare+copy": [], "ours": []}
+            for _ in range(args.repeats):
+                parent.send(("bare", bare.get_agent_metadata(), descriptor, rows, args.count))
+                reads = parent.recv()
+                results["bare"].append(nbytes / statistics.median(reads) / 1e9)
+                copies = []
+                for _ in range(args.count):
+                    started = time.perf_counter()
+                    buffer[:nbytes] = flat
+                    copies.append(time.perf_counter() - started)
+                parent.send(("bare", bare.get_agent_metadata(), descriptor, rows, args.count))
+                reads = parent.recv()
+                results["bare+copy"].append(nbytes / statistics.median(
+                    [copy + read for copy, read in zip(copies, reads)]) / 1e9)
+                items = []
+                for _ in range(args.count + 1):
+                    serial += 1
+                    started = time.perf_counter()
+                    ours.pool.put(f"item-{serial}", source, config.hold_s)
+                    put = time.perf_counter() - started
+                    parent.send(("ours", "127.0.0.1", port, f"item-{serial}"))
+                    read = parent.recv()
+                    if _:  # the first one connects
+                        items.append(put + read)
+                results["ours"].append(nbytes / statistics.median(items) / 1e9)
+
+            def ratio(name: str, base: str, results=results) -> str:
+                values = [a / b for a, b in zip(results[name], results[base])]
+                return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+            print(f"| {size >> 20} MiB | {statistics.median(results['bare']):.2f} | "
+                  f"{statistics.median(results['bare+copy']):.2f} | {statistics.median(results['ours']):.2f} | "
+                  f"{ratio('ours', 'bare')} | {ratio('ours', 'bare+copy')} |", flush=True)
+        deadline = time.monotonic() + 5
+        while ours.open_reservations and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ours.open_reservations == 0 and ours.stats.failures == 0
+    finally:
+        parent.send("stop")
+        process.join(30)
+        ours.close()
+        bare.deregister_memory(registration, backends=["UCX"])
+    os._exit(0)  # NIXL's agents go with the process
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--library", default="mooncake", choices=("mooncake", "nixl"))
     parser.add_argument("--sizes-mb", default="1,16,64")
     parser.add_argument("--count", type=int, default=20, help="items per measurement")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
+    parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="Mooncake's transport")
+    parser.add_argument("--block-bytes", type=int, default=3584 * 4,
+                        help="NIXL: the consumer's block (one row of the language model: Qwen2.5-VL-7B's 3584 float32)")
+    parser.add_argument("--progress-thread", action="store_true",
+                        help="NIXL: run ours with NIXL's own progress thread (ec_connector_extra_config."
+                             "nixl_progress_thread), as the bare agent runs")
     args = parser.parse_args()
+    if args.library == "nixl":
+        return bench_nixl(args, [int(float(size) * (1 << 20)) for size in args.sizes_mb.split(",")])
     from mooncake.engine import TransferEngine
 
     from encode_server.transport.mooncake import MooncakeEngine

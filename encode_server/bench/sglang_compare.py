@@ -17,9 +17,9 @@ median of the rounds and their range: throughput, p50, p99 and the server's CPU 
 whole process tree, from `/proc`). Both servers log at warning level (SGLang's uvicorn access log stays on).
 
 SGLang runs from its own environment, never this one: `--sglang-python` (or `SGLANG_PYTHON`) names
-the interpreter of a venv with SGLang 0.5.23, which `scripts/sglang_compat.sh VENV` builds:
+the interpreter of a venv with SGLang 0.5.23, which `tools/compat/sglang_compat.sh VENV` builds:
 
-    scripts/sglang_compat.sh .sglang-venv
+    tools/compat/sglang_compat.sh .sglang-venv
     encode-bench --compare sglang --sglang-python .sglang-venv/bin/python --rounds 3
 
 Needs two cores (`--server-core`, `--client-core`). Not a test: figures only mean something on a
@@ -172,7 +172,7 @@ def server_for(config: str, args, folder: Path, port: int) -> Server:
         return Server(config, argv, port, {}, args.server_core)
     if not args.sglang_python:
         raise SystemExit("encode-bench --compare sglang: give the Python of a venv with SGLang 0.5.23 "
-                         "(--sglang-python or SGLANG_PYTHON; scripts/sglang_compat.sh VENV builds one)")
+                         "(--sglang-python or SGLANG_PYTHON; tools/compat/sglang_compat.sh VENV builds one)")
     argv = [args.sglang_python, "-m", "sglang.launch_server", "--encoder-only", "--device", "cpu", "--dtype",
             "float32", "--model-path", str(folder), "--host", "127.0.0.1", "--port", str(port),
             "--encoder-transfer-backend", "zmq_to_scheduler", "--log-level", "warning"]
@@ -315,7 +315,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", default="sglang", help=argparse.SUPPRESS)
     parser.add_argument("--sglang-python", default=os.environ.get("SGLANG_PYTHON"),
-                        help="the Python of a venv with SGLang 0.5.23 (scripts/sglang_compat.sh builds one) "
+                        help="the Python of a venv with SGLang 0.5.23 (tools/compat/sglang_compat.sh builds one) "
                              "[env: SGLANG_PYTHON]")
     parser.add_argument("--configs", type=lambda text: [x for x in text.split(",") if x], default=list(CONFIGS),
                         help=f"comma-separated, run in this order each round: {', '.join(CONFIGS)}")
@@ -359,7 +359,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if any(config != "ours" for config in args.configs) and not args.sglang_python:
         raise SystemExit("encode-bench --compare sglang: give the Python of a venv with SGLang 0.5.23 "
-                         "(--sglang-python or SGLANG_PYTHON; scripts/sglang_compat.sh VENV builds one)")
+                         "(--sglang-python or SGLANG_PYTHON; tools/compat/sglang_compat.sh VENV builds one)")
     with contextlib.ExitStack() as stack:
         folder = args.checkpoint or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compare-")))
         build_checkpoint(folder)

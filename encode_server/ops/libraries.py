@@ -1,6 +1,6 @@
 """The optional transfer libraries (`transport`): whether each is installed, and the extra that installs it.
 
-Mooncake's TransferEngine is not a dependency of the server: a server that is not asked
+Neither Mooncake's TransferEngine nor NIXL is a dependency of the server: a server that is not asked
 for a transport that needs one starts without it, and one that is asked says which extra to install.
 """
 
@@ -13,6 +13,8 @@ LIBRARIES: dict[str, tuple[str, str, str]] = {
     "mooncake": ("mooncake.engine", "mooncake",
                  "mooncake-transfer-engine-non-cuda (mooncake-transfer-engine on a CUDA machine); its binaries load "
                  "the system's libibverbs1, even over TCP (Debian/Ubuntu: apt-get install libibverbs1)"),
+    "nixl": ("nixl._api", "nixl", "nixl (its wheels bundle UCX; it runs over TCP and shared memory where there is "
+                                  "no RDMA NIC)"),
 }
 
 

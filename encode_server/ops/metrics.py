@@ -259,7 +259,7 @@ class ServerMetrics:
         self.registry.register(TransportCollector(transport))
 
     def watch_ec_storage(self, storage) -> None:
-        """Export a `delivery.ec_storage.ECStorage`'s files, bytes and counters, read at every scrape."""
+        """Export a `fronts.vllm.example_connector.ECStorage`'s files, bytes and counters, read at every scrape."""
         self.registry.register(ECStorageCollector(storage))
 
 
@@ -311,8 +311,13 @@ class TransportCollector(Collector):
                      stats["seconds"])
         yield family(CounterMetricFamily, "encoder_transport_refused_total", "Items answered 503 because the "
                      "registered-memory bound was reached", stats["refused"])
+        registered = getattr(self.transport, "registered_bytes", None)  # a pool registered once (NIXL)
         yield family(GaugeMetricFamily, "encoder_transport_registered_bytes", "Bytes registered with the transfer "
-                     "library now", self.transport.engine.memory.bytes_held)
+                     "library now", self.transport.engine.memory.bytes_held if registered is None else registered)
+        held = getattr(self.transport, "held_bytes", None)
+        if held is not None:
+            yield family(GaugeMetricFamily, "encoder_transport_held_bytes", "Bytes of the registered pool that items "
+                         "not read yet, being read or being written hold (the rest is free or evictable)", held)
         yield family(GaugeMetricFamily, "encoder_transport_open_reservations", "Reservations taken on consumers "
                      "and not completed or cancelled yet", self.transport.open_reservations)
 

@@ -267,9 +267,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("--ec-transfer-config", str, None,
            "vLLM producer: vLLM's --ec-transfer-config JSON, as the consumers are started with: ec_connector "
            "ECMooncakeConnector (rows pushed with Mooncake's TransferEngine into the consumer's reserved buffer; "
-           "ec_buffer_size bounds the registered memory, ec_connector_extra_config.mooncake_protocol rdma or tcp) or "
+           "ec_buffer_size bounds the registered memory, ec_connector_extra_config.mooncake_protocol rdma or tcp), "
+           "ECCPUConnector with ec_connector_extra_config.ec_enable_nixl true (rows kept in CPU memory registered "
+           "with NIXL, ec_cpu_bytes of it, which consumers read; its side channel at --ec-side-channel-host/-port) or "
            "ECExampleConnector (its shared_storage_path: the files of --ec-storage); ec_role ec_producer "
            "(docs/DEPLOYMENT.md, Using it with vLLM)"),
+    Option("--ec-side-channel-host", str, "localhost",
+           "with ECCPUConnector: the address its side channel (the ZMQ socket consumers ask for items on) listens on "
+           "and is announced as, vLLM's VLLM_EC_SIDE_CHANNEL_HOST", aliases=("VLLM_EC_SIDE_CHANNEL_HOST",)),
+    Option("--ec-side-channel-port", int, 5601,
+           "with ECCPUConnector: the side channel's port, vLLM's VLLM_EC_SIDE_CHANNEL_PORT",
+           aliases=("VLLM_EC_SIDE_CHANNEL_PORT",)),
+    Option("--ec-vllm-version", str, "0.33.0",
+           "with ECCPUConnector: the consumers' vLLM version, one of the four parts of the compatibility hash a "
+           "consumer sends with each read (with the model, --ec-model-id else --model; the dtype, --dtype; and the "
+           "block size, the language model's hidden size in bytes); a consumer whose hash differs is refused"),
 )
 
 
@@ -350,6 +362,9 @@ class Settings:
     disaggregation_ib_device: str | None = DEFAULTS["disaggregation_ib_device"]
     mooncake_host: str | None = DEFAULTS["mooncake_host"]
     mooncake_registered_bytes: int = DEFAULTS["mooncake_registered_bytes"]
+    ec_side_channel_host: str = DEFAULTS["ec_side_channel_host"]
+    ec_side_channel_port: int = DEFAULTS["ec_side_channel_port"]
+    ec_vllm_version: str = DEFAULTS["ec_vllm_version"]
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "min_batch_size", "max_pending", "max_request_bytes",
@@ -409,6 +424,10 @@ class Settings:
             raise ValueError(f"--cache-store-protocol must be tcp or rdma, got {self.cache_store_protocol!r}")
         if self.ec_transfer_config is not None:
             transfer = parse_ec_transfer_config(self.ec_transfer_config)
+            if transfer.connector == "ECCPUConnector" and self.ec_side_channel_host in ("0.0.0.0", "::", "*", ""):
+                raise ValueError(f"--ec-side-channel-host {self.ec_side_channel_host!r} is a wildcard, but "
+                                 f"ECCPUConnector consumers are told this address to reach the encoder at: give that "
+                                 f"address")
             if transfer.storage_path is not None:
                 if self.ec_storage is not None and self.ec_storage != transfer.storage_path:
                     raise ValueError(f"--ec-storage {self.ec_storage!r} and the --ec-transfer-config's "
@@ -417,6 +436,8 @@ class Settings:
             elif self.ec_storage is not None:
                 raise ValueError(f"--ec-storage writes files for ECExampleConnector, --ec-transfer-config asks for "
                                  f"{transfer.connector}: one vLLM connector per server")
+        if not 1 <= self.ec_side_channel_port <= 65535:
+            raise ValueError(f"--ec-side-channel-port must be in 1..65535, got {self.ec_side_channel_port}")
         if self.encoder_transfer_backend not in ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake"):
             raise ValueError(f"--encoder-transfer-backend must be zmq_to_scheduler, zmq_to_tokenizer or mooncake, "
                              f"got {self.encoder_transfer_backend!r}")

@@ -11,6 +11,16 @@ instead:
   registered with the engine at once; `mooncake_protocol` is `rdma` unless set (say `tcp` where there is
   no RDMA NIC); `control_timeout_s` bounds each control request to a consumer. Rows are registered from
   host memory, so `ec_buffer_device` must be `cpu` (the default here, where vLLM's is `cuda`).
+- `ECCPUConnector` in its P2P mode (`ec_connector_extra_config.ec_enable_nixl` true), `ec_role`
+  `ec_producer`: each item's rows kept in a pool of CPU memory registered with NIXL, in blocks of the
+  consumer's block size, which the consumer reads (`fronts/vllm/cpu_connector.py`). `ec_cpu_bytes` (required, as
+  vLLM requires it) is the pool, the bound on registered memory; `engine_id` names the NIXL agent;
+  `producer_pin_lease_s` bounds how long a consumer's read may pin an item (vLLM's 30 s) and
+  `unread_hold_s` how long an item nobody has read yet is kept from eviction; `nixl_progress_thread` true
+  runs NIXL's own progress thread (it spins: a core's worth, for lower read latency). The side channel's address
+  is vLLM's `VLLM_EC_SIDE_CHANNEL_HOST`/`_PORT` (`--ec-side-channel-host`/`-port`). Without
+  `ec_enable_nixl` the connector only offloads within one vLLM instance, which an encoder outside it
+  cannot serve: refused.
 - `ECExampleConnector`: the files of `--ec-storage`, in `ec_connector_extra_config.shared_storage_path`.
 """
 
@@ -24,11 +34,9 @@ from typing import Any
 from encode_server.ops.libraries import installed, missing_message
 
 MOONCAKE = "ECMooncakeConnector"
+CPU = "ECCPUConnector"
 EXAMPLE = "ECExampleConnector"
-SUPPORTED = (MOONCAKE, EXAMPLE)
-_NOT_YET = {
-    "ECCPUConnector": "its P2P (NIXL) producer role is not served by this server yet",
-}
+SUPPORTED = (MOONCAKE, CPU, EXAMPLE)
 _PROTOCOLS = ("rdma", "tcp")
 
 
@@ -45,8 +53,17 @@ class ECTransferConfig:
     protocol: str = "rdma"
     control_timeout_s: float = 30.0
     storage_path: str | None = None  # ECExampleConnector's shared_storage_path
+    cpu_bytes: int = 0  # ECCPUConnector's ec_cpu_bytes: the registered pool
+    engine_id: str | None = None  # ECCPUConnector: the NIXL agent's name (vLLM: a fresh uuid)
+    pin_lease_s: float = 30.0  # ECCPUConnector: how long one read may pin an item (vLLM's PRODUCER_PIN_LEASE_S)
+    hold_s: float = 60.0  # ECCPUConnector: how long an item not read yet is kept from eviction
+    progress_thread: bool = False  # ECCPUConnector: NIXL's own (spinning) progress thread
 
     def public_dict(self) -> dict[str, Any]:
+        if self.connector == CPU:
+            return {"ec_connector": self.connector, "ec_role": self.role, "engine_id": self.engine_id,
+                    "ec_cpu_bytes": self.cpu_bytes, "ec_enable_nixl": True, "producer_pin_lease_s": self.pin_lease_s,
+                    "unread_hold_s": self.hold_s, "nixl_progress_thread": self.progress_thread}
         return {"ec_connector": self.connector, "ec_role": self.role, "ec_buffer_device": self.buffer_device,
                 "ec_buffer_size": self.buffer_size, "ec_ip": self.ip, "ec_port": self.port,
                 "mooncake_protocol": self.protocol, "control_timeout_s": self.control_timeout_s,
@@ -80,11 +97,9 @@ def parse_ec_transfer_config(text: str | dict) -> ECTransferConfig:
     if not isinstance(data, dict):
         raise ValueError("--ec-transfer-config must be a JSON object, as vLLM's is")
     connector = data.get("ec_connector")
-    if connector in _NOT_YET:
-        raise ValueError(f"--ec-transfer-config: ec_connector {connector!r}: {_NOT_YET[connector]}; use "
-                         f"{' or '.join(SUPPORTED)}")
     if connector not in SUPPORTED:
-        raise ValueError(f"--ec-transfer-config: ec_connector must be {' or '.join(SUPPORTED)}, got {connector!r}")
+        raise ValueError(f"--ec-transfer-config: ec_connector must be {', '.join(SUPPORTED[:-1])} or {SUPPORTED[-1]}, "
+                         f"got {connector!r}")
     if data.get("ec_connector_module_path"):
         raise ValueError("--ec-transfer-config: ec_connector_module_path names a connector class of vLLM's; this "
                          "server speaks the built-in connectors only: leave it out")
@@ -101,6 +116,8 @@ def parse_ec_transfer_config(text: str | dict) -> ECTransferConfig:
             raise ValueError("--ec-transfer-config: ECExampleConnector needs ec_connector_extra_config."
                              "shared_storage_path, the folder its consumers read")
         return ECTransferConfig(connector, role, storage_path=path)
+    if connector == CPU:
+        return _cpu_connector(data, extra)
     device = str(data.get("ec_buffer_device") or "cpu").lower()
     if device != "cpu":
         raise ValueError(f"--ec-transfer-config: ec_buffer_device {device!r}: this server registers rows from host "
@@ -121,3 +138,29 @@ def parse_ec_transfer_config(text: str | dict) -> ECTransferConfig:
         buffer_size=_positive("ec_buffer_size", data.get("ec_buffer_size", 1e9)),
         ip=str(data.get("ec_ip") or "127.0.0.1"), port=port, protocol=protocol,
         control_timeout_s=_positive("control_timeout_s", extra.get("control_timeout_s", 30), float))
+
+
+def _flag(value: Any) -> bool:
+    """An extra-config switch as vLLM reads one (extra config is not coerced: "true" is true)."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes")
+
+
+def _cpu_connector(data: dict, extra: dict) -> ECTransferConfig:
+    """ECCPUConnector's producer role in P2P mode."""
+    if not _flag(extra.get("ec_enable_nixl", False)):
+        raise ValueError("--ec-transfer-config: ECCPUConnector without ec_connector_extra_config.ec_enable_nixl only "
+                         "offloads within one vLLM instance, which an encoder outside it cannot serve; set "
+                         "\"ec_enable_nixl\": true (its P2P mode, which consumers read over NIXL)")
+    if extra.get("ec_cpu_bytes") in (None, "", 0):
+        raise ValueError("--ec-transfer-config: ECCPUConnector needs ec_connector_extra_config.ec_cpu_bytes, the CPU "
+                         "memory registered with NIXL for consumers to read (e.g. 4000000000)")
+    engine_id = data.get("engine_id")
+    if engine_id is not None and (not isinstance(engine_id, str) or not engine_id.strip()):
+        raise ValueError(f"--ec-transfer-config: engine_id must be a non-empty string, got {engine_id!r}")
+    if not installed("nixl"):
+        raise ValueError(missing_message("nixl", f"--ec-transfer-config {CPU}"))
+    return ECTransferConfig(
+        CPU, "ec_producer", cpu_bytes=_positive("ec_cpu_bytes", extra.get("ec_cpu_bytes")), engine_id=engine_id,
+        pin_lease_s=_positive("producer_pin_lease_s", extra.get("producer_pin_lease_s", 30), float),
+        hold_s=_positive("unread_hold_s", extra.get("unread_hold_s", 60), float),
+        progress_thread=_flag(extra.get("nixl_progress_thread", False)))

@@ -9,6 +9,7 @@
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python tools/compat/vllm_compat.py      # runs the server from .venv
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python tools/reference/vllm_golden.py check
 #   VLLM_TARGET_DEVICE=cpu VLLM_HOST_IP=127.0.0.1 VENV/bin/python tools/compat/vllm_transport_compat.py
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python tools/compat/vllm_cpu_compat.py
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -35,8 +36,9 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
 "${PIP[@]}" "mooncake-transfer-engine-non-cuda>=0.3.13,<0.4"
 # vLLM resamples audio with torchaudio (its own pin; pure Python where vLLM uses it).
 "${PIP[@]}" --no-deps torchaudio==2.11.0
-# The transfer libraries of ECMooncakeConnector and ECCPUConnector (tools/compat/vllm_transport_compat.py).
-"${PIP[@]}" mooncake-transfer-engine-non-cuda
+# The transfer libraries of ECMooncakeConnector and ECCPUConnector (tools/compat/vllm_transport_compat.py,
+# tools/compat/vllm_cpu_compat.py).
+"${PIP[@]}" mooncake-transfer-engine-non-cuda "nixl==1.5.1" msgpack
 "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -e "$ROOT"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
 import vllm

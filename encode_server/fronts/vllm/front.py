@@ -1,5 +1,6 @@
 """The vLLM front as the server runs it: the producer (`--ec-storage` or `--ec-transfer-config`), the
-connector that pushes rows (`ECMooncakeConnector`), and the chat route."""
+connector that hands rows over (`ECMooncakeConnector` pushes them, `ECCPUConnector` keeps them for the
+consumers' NIXL reads), and the chat route."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class VllmFront(Front):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.producer: VllmProducer | None = None
-        self.pusher: MooncakePusher | None = None
+        self.pusher: Any = None  # MooncakePusher or CPUConnectorProducer: `push`, `info`, `close`
 
     def mount(self, app: FastAPI) -> None:
         add_chat_route(app, self)
@@ -31,7 +32,12 @@ class VllmFront(Front):
         settings = self.settings
         if settings.ec_storage or settings.vllm_push:
             self.producer = await asyncio.to_thread(VllmProducer.from_settings, service, settings)
-        if settings.vllm_push:
+        if settings.vllm_push and settings.vllm_push.connector == "ECCPUConnector":
+            from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer  # NIXL: an optional extra
+
+            self.pusher = await asyncio.to_thread(CPUConnectorProducer.from_settings, settings, service.adapter)
+            service.metrics.watch_transport(self.pusher)
+        elif settings.vllm_push:
             self.pusher = await asyncio.to_thread(MooncakePusher, settings.vllm_push, service.adapter.info.family)
             service.metrics.watch_transport(self.pusher)
 

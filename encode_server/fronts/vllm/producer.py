@@ -109,7 +109,7 @@ def check_vllm_layout(adapter) -> None:
 
 
 #: (family, modality) pairs whose items vLLM 0.33 splits, samples or lays out otherwise than this server, so that
-#: a consumer could not load what we would store (found with `scripts/vllm_compat.py`): refused with a 400.
+#: a consumer could not load what we would store (found with `tools/compat/vllm_compat.py`): refused with a 400.
 LAYOUT_REFUSALS: dict[tuple[str, str], str] = {
     ("kimi_k25", "video"): "vLLM 0.33 splits a Kimi-K2.5 video into 4-frame vision chunks, each an item with its own "
                            "identifier and rows, where this server stores one file per video; run vLLM's own encoder "
