@@ -9,7 +9,7 @@ acked block indices into local blocks posted with the notification `"{session_id
 rows are the first `rows * width` elements of the local blocks. vLLM's own consumer code is driven by
 `tools/compat/vllm_cpu_compat.py`.
 
-Run as a process (`python -m tests.nixl_consumer HOST PORT MM_HASH HASH BLOCK_SIZE`) it asks for one item
+Run as a process (`python -m tests.support.nixl_consumer HOST PORT MM_HASH HASH BLOCK_SIZE`) it asks for one item
 and kills itself once the ack is in, before reading: a consumer that dies mid-transfer (it needs no NIXL
 agent for that, so it starts none, nor imports torch).
 """

@@ -1,5 +1,5 @@
 """vLLM's `ECCPUConnector` in P2P mode, producer role (`--ec-transfer-config`), against a consumer speaking vLLM's
-protocol with NIXL on loopback (`tests/nixl_consumer.py`): rows read bit-identical to the native `/encode` rows,
+protocol with NIXL on loopback (`tests/support/nixl_consumer.py`): rows read bit-identical to the native `/encode` rows,
 the NACKs vLLM defines, and every pin released on the consumer's notification, on a lapsed lease and for a
 consumer that dies. vLLM's own consumer code is driven by `tools/compat/vllm_cpu_compat.py`."""
 
@@ -12,29 +12,21 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
 from encode_server.ops.settings import Settings
-from tests.helpers import InProcessServer, free_port, png_bytes
-from tests.test_vllm_producer import (
-    CONSUMER_MODEL,
-    GOLDEN_ROOT,
-    data_url,
-    image_part,
-    media_url,
-    native_rows_of,
-    proxy_body,
-)
+from tests.support.helpers import InProcessServer, free_port, png_bytes
+from tests.support.paths import GOLDEN as GOLDEN_ROOT
+from tests.support.paths import ROOT
+from tests.support.vllm_requests import CONSUMER_MODEL, data_url, image_part, media_url, native_rows_of, proxy_body
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed: pip install -e '.[nixl]'")
 from encode_server.fronts.vllm.cpu_connector import compatibility_hash  # noqa: E402
-from tests.nixl_consumer import NixlConsumer  # noqa: E402
+from tests.support.nixl_consumer import NixlConsumer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 CONNECTOR = "ECCPUConnector"
 
 
@@ -130,7 +122,7 @@ def announced(response: httpx.Response) -> list[tuple[str, dict]]:
 def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held():
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
     from encode_server.fronts.vllm.video import decode_vllm_video
-    from tests.test_vllm_producer import frames_item
+    from tests.support.vllm_requests import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)
     with Producer() as producer, producer.consumer() as consumer:
@@ -297,7 +289,7 @@ def test_a_dead_consumer_a_short_read_and_a_lapsed_lease_release_their_pins_only
         ((identifier, entry),) = announced(producer.encode([image_part(data_url(image))]))
         ((other_id, other_entry),) = announced(producer.encode([image_part(data_url(other))]))
         # A consumer process that dies once its read is granted, before it reads.
-        dying = subprocess.run([sys.executable, "-m", "tests.nixl_consumer", "127.0.0.1", str(producer.port),
+        dying = subprocess.run([sys.executable, "-m", "tests.support.nixl_consumer", "127.0.0.1", str(producer.port),
                                 identifier, producer.compat, str(producer.block_size)], cwd=ROOT,
                                capture_output=True, text=True, timeout=60)
         assert dying.stdout.strip().splitlines()[-1] == "acked 0" and dying.returncode == -9, dying.stderr[-500:]
