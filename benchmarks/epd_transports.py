@@ -1,7 +1,7 @@
 """End-to-end time per item, from the encoder request to the rows in the consumer's memory, three ways side by side.
 
     nixl    `ECCPUConnector` (P2P): `POST /v1/chat/completions`, then the consumer's XferReq, XferAck and NIXL
-            READ (`tests/nixl_consumer.py`, as vLLM's consumer does), the rows copied out of its region
+            READ (`tests/support/nixl_consumer.py`, as vLLM's consumer does), the rows copied out of its region
     files   `ECExampleConnector`: `POST /v1/chat/completions` with `--ec-storage`, then the consumer's
             `safetensors` load of the item's file (as vLLM's `ECExampleConnector` loads it)
     zmq     SGLang's default wire: `POST /encode` with `prefill_host`/`embedding_port`, then the frames an
@@ -46,8 +46,8 @@ def main() -> int:
     from encode_server.fronts.vllm.cpu_connector import compatibility_hash
     from encode_server.receiver import EmbeddingReceiver
     from encode_server.transport.nixl import quiet_ucx_exit
-    from tests.helpers import ServerProcess, free_port, png_bytes
-    from tests.nixl_consumer import NixlConsumer
+    from tests.support.helpers import ServerProcess, free_port, png_bytes
+    from tests.support.nixl_consumer import NixlConsumer
 
     quiet_ucx_exit()
     side = free_port()

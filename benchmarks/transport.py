@@ -98,7 +98,7 @@ def measure(bare, ours, session: str, address: int, size: int, count: int, repea
 
 def nixl_reader(connection, block_size: int, blocks: int, compat: str) -> None:
     """The consumer process: reads what it is told to, and says how long each read took."""
-    from tests.nixl_consumer import NixlConsumer
+    from tests.support.nixl_consumer import NixlConsumer
 
     with NixlConsumer(block_size, compat, num_blocks=blocks) as consumer:
         connection.send("ready")
@@ -133,7 +133,7 @@ def bench_nixl(args, sizes: list[int]) -> int:
     from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer
     from encode_server.ops.transfer_config import ECTransferConfig
     from encode_server.transport.nixl import block_descriptors, quiet_ucx_exit
-    from tests.helpers import free_port
+    from tests.support.helpers import free_port
 
     quiet_ucx_exit()
     block = args.block_bytes

@@ -16,8 +16,6 @@ import httpx
 
 from encode_server.ops.logs import READY_LINE
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -29,11 +27,13 @@ class ServerProcess:
     """`python -m encode_server` in a subprocess on a free port; stopped on exit."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 120.0,
-                 module: str = "encode_server", python: str | None = None) -> None:
+                 module: str = "encode_server", python: str | None = None,
+                 cwd: str | Path | None = None) -> None:
         self.port = free_port()
         self.python = python or sys.executable  # another interpreter: a server from another environment
         self.url = f"http://127.0.0.1:{self.port}"
         self.module = module
+        self.cwd = cwd  # None: this process's
         self.args = ["--port", str(self.port), "--log-level", "warning", *args]
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
@@ -77,7 +77,7 @@ class ServerProcess:
 
     def start_process(self) -> subprocess.Popen:
         """`python -m MODULE ARGS` with this environment, its output (stdout and stderr) on a pipe."""
-        return subprocess.Popen([self.python, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
+        return subprocess.Popen([self.python, "-m", self.module, *self.args], cwd=self.cwd, env=self.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
     def log(self) -> str:

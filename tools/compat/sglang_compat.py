@@ -43,7 +43,7 @@ placeholders and our rows) is checked all the same.
 Not run by CI (the install is several GB).
 
 Kimi K2.5, GLM-5-Next and MiniMax-M3 VL (`kimi_glm5_minimax_checks`): a tiny checkpoint of each
-(`tests/kimi_glm5_minimax_checkpoints.py`) served by one of our encoders; two images, then two clips, go
+(`tests/support/checkpoints/`) served by one of our encoders; two images, then two clips, go
 through `recv_mm_data` (zmq_to_tokenizer) into the model's own SGLang processor (made with `__new__` and
 the attributes its constructor sets), whose `get_validated_mm_data` builds the prompt's `input_ids` as the
 prefill's tokenizer does. Each passes when those hold one placeholder per row we sent (the count the
@@ -54,7 +54,7 @@ layouts are meant to agree, the `input_ids` equal the full processor's. Importin
 The language side of the Qwen-VL architectures and Qwen2-Audio (`language_side`; `--language-side-only`
 and `--architectures` run only it, or part of it): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, Qwen3.5 and
 its MoE (images and videos) and Qwen2-Audio (audio), each on a tiny checkpoint saved with its full processor
-and an offline byte-level tokenizer (tests/prompt_checkpoints.py) and served by one of our encoders. A
+and an offline byte-level tokenizer (tests/support/checkpoints/prompts.py) and served by one of our encoders. A
 request of two items (two parts, merged by SGLang's receiver) goes through `recv_mm_data`, which hands the
 merged parts to the model's own SGLang language-side processor, built by SGLang's own `_init_mm_processor`
 with the settings of a `--language-only` server. Each row checks that the `input_ids` it builds hold
@@ -99,47 +99,6 @@ SGLANG_SIDE: list[tuple[str, str]] = []
 def record_sglang_side(step: str, reason: str) -> None:
     SGLANG_SIDE.append((step, reason))
     print(f"[SGLANG-SIDE] {step}: {reason}", flush=True)
-
-
-def sglang_missing_attribute(mm_processor, exc: BaseException) -> str | None:
-    """Why `exc` is SGLang's own defect, or None when it may not be.
-
-    It is when SGLang's processor code read an attribute of the processor that no class of the processor
-    defines or assigns anywhere in its source: then no checkpoint (config, tokenizer, processor files) and no
-    constructor argument can provide it, and every checkpoint of the architecture stops there. The reason names
-    where the attribute is read (file:line in the sglang package). Anything else (a wrong count, a missing
-    field, an attribute that some constructor would set) is not classified, so it stays a failure."""
-    import ast
-    import inspect
-    import textwrap
-
-    name = getattr(exc, "name", None)
-    if not isinstance(exc, AttributeError) or not name or getattr(exc, "obj", None) is not mm_processor:
-        return None
-
-    def may_set(node) -> bool:
-        """`x.<name> = ...` in any form (tuple targets, augmented, loop targets), or a `setattr(self|cls, ...)`."""
-        if isinstance(node, ast.Attribute):
-            return node.attr == name and isinstance(node.ctx, (ast.Store, ast.Del))
-        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                and bool(node.args) and isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
-
-    for cls in type(mm_processor).__mro__[:-1]:
-        if name in vars(cls):
-            return None
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        except (OSError, TypeError, SyntaxError):
-            return None
-        if any(may_set(node) for node in ast.walk(tree)):
-            return None
-    frame = traceback.extract_tb(exc.__traceback__)[-1]
-    where = frame.filename.replace(os.sep, "/")
-    where = where[where.rfind("sglang/srt/"):] if "sglang/srt/" in where else os.path.basename(where)
-    owner = next((cls.__name__ + "." for cls in type(mm_processor).__mro__ if frame.name in vars(cls)), "")
-    classes = ", ".join(cls.__name__ for cls in type(mm_processor).__mro__[:-1])
-    return (f"{type(mm_processor).__name__} uses {owner}{frame.name}, which reads self.{name} at "
-            f"{where}:{frame.lineno}; none of {classes} defines or sets it, so no checkpoint can provide it")
 
 
 def quiet() -> None:
@@ -439,7 +398,7 @@ def registry_round_trip(flags: tuple[str, ...]) -> None:
 
 # --- Omni families: SGLang's language side (`get_mm_data`) on our rows -----------------------------
 #
-# For each of `qwen2_5_omni` and `qwen3_omni_moe`, a tiny full checkpoint (tests/omni_checkpoints.py) is
+# For each of `qwen2_5_omni` and `qwen3_omni_moe`, a tiny full checkpoint (tests/support/checkpoints/qwen_omni.py) is
 # served with `--wire-format sglang`, and for each modality SGLang's tokenizer-side receiver takes our parts
 # and hands them, merged, to the model's own language-side processor, `QwenVLImageProcessor`, through
 # `get_validated_mm_data` (which also checks that every row received is consumed). Its constructor runs as
@@ -548,7 +507,7 @@ def omni_items(model_type: str, modality: str) -> tuple[list, list]:
     import soundfile
     from PIL import Image
 
-    from tests import omni_checkpoints
+    from tests.support.checkpoints import qwen_omni as omni_checkpoints
 
     def png(image) -> str:
         buffer = io.BytesIO()
@@ -572,7 +531,7 @@ def omni_items(model_type: str, modality: str) -> tuple[list, list]:
 
 
 def omni_prompt(model_type: str, modality: str, count: int) -> str:
-    from tests.omni_checkpoints import TOKENS
+    from tests.support.checkpoints.qwen_omni import TOKENS
 
     tokens = TOKENS[model_type]
     start, end = (tokens[name] for name in OMNI_BOUNDARIES[modality])
@@ -624,7 +583,7 @@ def omni_reference(url: str, modality: str, sent: list) -> tuple[bytes, list[dic
 def omni_full_processor_counts(hf_processor, model_type: str, modality: str, decoded: list) -> tuple[list, list]:
     """Per item, alone: the placeholder tokens the transformers full processor inserts, and its audio frames
     (`feature_attention_mask`) or video `video_second_per_grid`."""
-    from tests.omni_checkpoints import TOKENS, token_ids
+    from tests.support.checkpoints.qwen_omni import TOKENS, token_ids
 
     placeholder = token_ids(model_type)[OMNI_PLACEHOLDERS[modality]]
     text = [f"describe {TOKENS[model_type][OMNI_PLACEHOLDERS[modality]]}"]
@@ -643,7 +602,7 @@ def omni_full_processor_counts(hf_processor, model_type: str, modality: str, dec
 
 
 def omni_check(url: str, model_type: str, modality: str, mm_processor, hf_processor) -> None:
-    from tests.omni_checkpoints import token_ids
+    from tests.support.checkpoints.qwen_omni import token_ids
 
     notes = []
     if model_type == "qwen2_5_omni":
@@ -699,7 +658,7 @@ def omni_language_side() -> None:
     from pathlib import Path
 
     from encode_server.bench.launcher import ServerProcess
-    from tests.omni_checkpoints import checkpoint
+    from tests.support.checkpoints.qwen_omni import checkpoint
 
     allow_missing_einops()
     with tempfile.TemporaryDirectory(prefix="omni-compat-") as work:
@@ -724,7 +683,7 @@ def omni_media(rate: int) -> dict:
     """Two images, one video file (mp4: our server decodes it at AV_VIDEO_FPS) and two audio clips at `rate`."""
     import av
 
-    from tests.omni_family_checkpoints import video, wav_b64, waveform
+    from tests.support.tiny_parts import video, wav_b64, waveform
 
     frames = video(64, 48, 4, 1)
     buffer = io.BytesIO()
@@ -839,19 +798,19 @@ def av_family_checks(family: str) -> None:
     transformers processor for the same prompt and media (placeholder counts and, for video, the timestamp text),
     and the rows it splices ours. Independently of that call, the merged fields must account for the placeholders
     the transformers processor inserts."""
+    import importlib
     import tempfile
     from pathlib import Path
 
     from transformers import AutoProcessor
 
-    import tests.omni_family_checkpoints as checkpoints
     from encode_server.bench.launcher import ServerProcess
 
     builder, make_processor, rate, tokens, merge = AV_FAMILIES[family]
     with tempfile.TemporaryDirectory() as work:
         folder = Path(work) / family
         folder.mkdir()
-        getattr(checkpoints, builder)(folder)
+        getattr(importlib.import_module(f"tests.support.checkpoints.{family}"), builder)(folder)
         processor = AutoProcessor.from_pretrained(folder)
         mm_processor = make_processor(folder, processor)
         media = omni_media(rate)
@@ -879,6 +838,8 @@ def av_family_checks(family: str) -> None:
                 try:
                     output = mm_processor.get_validated_mm_data(captured.prompt, captured.embeddings, **captured.meta)
                 except Exception as exc:  # noqa: BLE001 (SGLang's own failure, reported as the row's result)
+                    from tests.support.sglang_side import sglang_missing_attribute
+
                     reason = sglang_missing_attribute(mm_processor, exc)
                     if reason is not None:
                         record_sglang_side(step, reason)
@@ -955,7 +916,7 @@ def epd_case(model_type: str, folder, url: str, modality: str, items: list, plac
     import torch
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    from tests.kimi_glm5_minimax_checkpoints import PROMPTS
+    from tests.support.checkpoints.media import PROMPTS
 
     processor, hf = epd_language_processor(model_type, folder)
     prompt = " ".join([PROMPTS[model_type][modality]] * len(items))
@@ -1011,7 +972,8 @@ def kimi_glm5_minimax_checks(work) -> None:
     from transformers import AutoProcessor
 
     from encode_server.bench.launcher import ServerProcess
-    from tests.kimi_glm5_minimax_checkpoints import CHECKPOINTS, PROMPTS, clip, sample_images
+    from tests.support.checkpoints.media import CHECKPOINTS, PROMPTS, sample_images
+    from tests.support.tiny_parts import clip
 
     images = sample_images()[2:4]
     for model_type, build in CHECKPOINTS.items():
@@ -1043,7 +1005,7 @@ def kimi_video_refused(folder, url: str, clips: list) -> None:
     import httpx
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    from tests.kimi_glm5_minimax_checkpoints import PROMPTS
+    from tests.support.checkpoints.media import PROMPTS
 
     step = "kimi_k25 video: our rows reach SGLang, whose Kimi get_mm_data takes no video (the request fails there)"
     processor, hf = epd_language_processor("kimi_k25", folder)
@@ -1080,7 +1042,7 @@ def kimi_video_refused(folder, url: str, clips: list) -> None:
 # --- the language side: the model's own SGLang processor on what SGLang's receiver merged -----------
 #
 # For the Qwen-VL architectures and Qwen2-Audio: a tiny checkpoint saved with its full processor and an offline
-# byte-level tokenizer (tests/prompt_checkpoints.py), one of our encoders serving it, and SGLang's own
+# byte-level tokenizer (tests/support/checkpoints/prompts.py), one of our encoders serving it, and SGLang's own
 # language-side processor for it, built the way SGLang's receiver builds it (`_init_mm_processor`).
 # A request goes out through SGLang's `recv_mm_data` (dispatch, then its receive path: unpickling,
 # `_aggregate_embedding_part`, `get_mm_extra_meta`), which hands the merged parts to
@@ -1143,7 +1105,7 @@ class ServedModel:
         import httpx
         from transformers import AutoProcessor
 
-        from tests.prompt_checkpoints import ARCHITECTURES, prompts_for
+        from tests.support.checkpoints.prompts import ARCHITECTURES, prompts_for
 
         self.model_type, self.folder, self.server = model_type, folder, server
         self.architecture = ARCHITECTURES[model_type]
@@ -1210,7 +1172,7 @@ def check_language_side(model: ServedModel, modality: str, items: list, transfor
     decodes it). `timestamps`: whether the model's prompt names each video patch's time."""
     import torch
 
-    from tests.prompt_checkpoints import prompt_timestamps
+    from tests.support.checkpoints.prompts import prompt_timestamps
 
     prompt = model.prompts.prompt(modality, len(items))
     reference = ours(model, modality, items)
@@ -1311,7 +1273,7 @@ def qwen2_audio_clips(model: ServedModel) -> LanguageRow:
 
 #: model_type -> how its tiny checkpoint folder is built: `(model_type, folder) -> folder`.
 def _prompt_checkpoint(model_type: str, folder):
-    from tests.prompt_checkpoints import build
+    from tests.support.checkpoints.prompts import build
 
     return build(model_type, folder)
 
@@ -1337,7 +1299,7 @@ def language_side(model_types: list[str] | None = None) -> None:
     from pathlib import Path
 
     from encode_server.bench.launcher import ServerProcess
-    from tests.prompt_checkpoints import ARCHITECTURES
+    from tests.support.checkpoints.prompts import ARCHITECTURES
 
     wanted = list(dict.fromkeys(model_type for model_type, _, _ in LANGUAGE_CASES))
     for model_type in (model_types or wanted):

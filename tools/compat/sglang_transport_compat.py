@@ -19,7 +19,7 @@ merging, the TP-wide status all-reduce). Each rank's TransferEngine is SGLang's 
 `EmbeddingPool`, whose buffer is allocated on the CPU instead of `cuda:N` (the only stand-in: this
 machine has no GPU). As in `tools/compat/sglang_compat.py`, the receivers are made with `__new__` and given
 what their constructors set, and the model's `mm_processor` is a stand-in that keeps what SGLang hands it.
-Videos and audio over this backend are checked by `tests/test_sglang_mooncake.py` (a receiver written
+Videos and audio over this backend are checked by `tests/fronts/test_sglang_mooncake.py` (a receiver written
 from the same protocol), not here.
 
 Checks: one image, two images in one part, a request split over two encoders (two parts merged in order),

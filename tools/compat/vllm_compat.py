@@ -361,7 +361,7 @@ SERVER_PYTHON: list[str] = []
 
 
 def start_server(folder: Path, storage: Path, *extra: str):
-    from tests.helpers import ServerProcess
+    from tests.support.helpers import ServerProcess
 
     return ServerProcess("--model", str(folder), "--ec-storage", str(storage), "--allow-private-urls", "true",
                          "--cache-bytes", "0", *extra, startup_timeout=300, python=SERVER_PYTHON[0])
@@ -373,7 +373,7 @@ def check_round_trip(consumer: Consumer, server_url: str, body: dict, step: str,
     Returns (ok, vLLM's placeholder counts, our row counts)."""
     import torch
 
-    from tests.helpers import rel_diff
+    from tests.support.helpers import rel_diff
 
     answers = fanout(server_url, body)
     if not all(status == 200 and answer.get("object") == "chat.completion" for status, answer in answers):
@@ -425,7 +425,7 @@ def check_round_trip(consumer: Consumer, server_url: str, body: dict, step: str,
 
 
 def build_qwen_family(name: str, folder: Path) -> Path:
-    from tests.checkpoints import qwen2_vl_checkpoint, qwen25_vl_checkpoint
+    from tests.support.checkpoints.qwen_vl import qwen2_vl_checkpoint, qwen25_vl_checkpoint
     from tools.reference.reference_prefill_counts import PROCESSOR_FILES, qwen_full_processor
 
     build, processor_class, video = {
@@ -442,7 +442,7 @@ def build_qwen_family(name: str, folder: Path) -> Path:
 
 
 def build_internvl(folder: Path) -> Path:
-    from tests.checkpoints import internvl_checkpoint
+    from tests.support.checkpoints.internvl import internvl_checkpoint
     from tools.reference.reference_prefill_counts import PROCESSOR_FILES, internvl_full_processor
 
     model, image_processor, folder = internvl_checkpoint(folder)
@@ -455,7 +455,7 @@ def build_internvl(folder: Path) -> Path:
 def build_grid_family(model_type: str, folder: Path) -> Path:
     from transformers import AutoTokenizer
 
-    from tests.vlm_fixtures import build_model, write_processor_files
+    from tests.support.checkpoints.grid_vision import build_model, write_processor_files
 
     build_model(model_type, 5).save_pretrained(folder)
     folder = write_processor_files(folder, model_type, "nested")
@@ -496,13 +496,15 @@ def spell_out_normalisation(folder: Path) -> None:
 
 
 def build_other(name: str, folder: Path) -> Path:
-    from tests import other_family_checkpoints as other
+    from tests.support.checkpoints.gemma3 import gemma3_checkpoint
+    from tests.support.checkpoints.llava_onevision import llava_onevision_checkpoint
+    from tests.support.checkpoints.mistral3 import mistral3_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
     if name == "gemma3":
         from transformers import AutoTokenizer
 
-        other.gemma3_checkpoint(folder)
+        gemma3_checkpoint(folder)
         # vLLM's Gemma 3 processor looks up the newline runs Gemma's real tokenizer has as single tokens.
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])
@@ -511,18 +513,18 @@ def build_other(name: str, folder: Path) -> Path:
         # vLLM 0.33 packs (and counts) LLaVA-OneVision rows with anyres_max_9 whatever the checkpoint says,
         # as every released checkpoint says; the fixture's anyres_max_2 is set to that (the producer refuses
         # other values at start-up: see fronts.vllm.producer.check_vllm_layout).
-        other.llava_onevision_checkpoint(folder)
+        llava_onevision_checkpoint(folder)
         for file in ("config.json", "processor_config.json"):
             settings = json.loads((folder / file).read_text())
             settings["vision_aspect_ratio"] = "anyres_max_9"
             (folder / file).write_text(json.dumps(settings))
     elif name == "mistral3":
-        other.mistral3_checkpoint(folder)
+        mistral3_checkpoint(folder)
     return folder
 
 
 def build_qwen2_audio(folder: Path) -> Path:
-    from tests.checkpoints import qwen2_audio_checkpoint, qwen2_audio_full_processor
+    from tests.support.checkpoints.qwen2_audio import qwen2_audio_checkpoint, qwen2_audio_full_processor
 
     _model, extractor, folder = qwen2_audio_checkpoint(folder)
     qwen2_audio_full_processor(extractor).save_pretrained(folder)
@@ -544,19 +546,22 @@ def in_server_python(function: str, *args: str) -> Path:
 
 
 def build_omni(model_type: str, folder: Path) -> Path:
-    from tests.omni_checkpoints import checkpoint
+    from tests.support.checkpoints.qwen_omni import checkpoint
 
     _model, folders = checkpoint(folder, model_type, 7, layouts=("flat",))
     return folders["flat"]
 
 
 def build_new_family(name: str, folder: Path) -> Path:
-    from tests import kimi_glm5_minimax_checkpoints as kgm
-    from tests import omni_family_checkpoints as omni
+    from tests.support.checkpoints.dots3_note import dots3_note_checkpoint
+    from tests.support.checkpoints.glm5_next import glm5_next_checkpoint
+    from tests.support.checkpoints.kimi_k25 import kimi_k25_checkpoint
+    from tests.support.checkpoints.minimax_m3_vl import minimax_m3_vl_checkpoint
+    from tests.support.checkpoints.muse_spark import muse_spark_checkpoint
 
-    builder = {"kimi_k25": kgm.kimi_k25_checkpoint, "glm5_next": kgm.glm5_next_checkpoint,
-               "minimax_m3_vl": kgm.minimax_m3_vl_checkpoint, "muse_spark": omni.muse_spark_checkpoint,
-               "dots3_note": omni.dots3_note_checkpoint}[name]
+    builder = {"kimi_k25": kimi_k25_checkpoint, "glm5_next": glm5_next_checkpoint,
+               "minimax_m3_vl": minimax_m3_vl_checkpoint, "muse_spark": muse_spark_checkpoint,
+               "dots3_note": dots3_note_checkpoint}[name]
     folder.mkdir(parents=True, exist_ok=True)
     _model, folder = builder(folder)
     if name == "muse_spark":  # vLLM's MuseSparkTextConfig reads a field the tiny config leaves at its default
@@ -806,7 +811,7 @@ def concurrent(consumer: Consumer, url: str, storage: Path, model: str) -> None:
     """16 requests at once (distinct images) while a reader opens every file as soon as it appears."""
     from safetensors.torch import load_file
 
-    from tests.helpers import rel_diff
+    from tests.support.helpers import rel_diff
 
     stop = threading.Event()
     seen, broken = set(), []

@@ -167,7 +167,7 @@ class VllmConsumer:
 
 
 def png(width: int, height: int, seed: int) -> bytes:
-    from tests.helpers import png_bytes
+    from tests.support.helpers import png_bytes
 
     return png_bytes(width, height, seed)
 
@@ -184,7 +184,7 @@ def native(server, modality: str, item):
     import httpx
     import torch
 
-    from tests.helpers import decode_embedding
+    from tests.support.helpers import decode_embedding
 
     answer = httpx.post(f"{server.url}/encode", json={"req_id": "native", "modality": modality, "mm_items": [item],
                                                       "return_embedding": True}, timeout=120).json()
@@ -235,7 +235,7 @@ def settled(server, timeout_s: float = 5.0) -> tuple:
 
 
 def start_server(args, model: str, port: int):
-    from tests.helpers import ServerProcess
+    from tests.support.helpers import ServerProcess
 
     config = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer", "ec_connector_extra_config": {
         "ec_enable_nixl": True, "ec_cpu_bytes": 32 << 20, "unread_hold_s": 2}})
@@ -251,7 +251,7 @@ def run(args) -> None:
     import torch
 
     from encode_server.fronts.vllm.video import decode_vllm_video
-    from tests.helpers import free_port
+    from tests.support.helpers import free_port
 
     with start_server(args, "tiny-qwen2.5-vl", free_port()) as server:
         info = httpx.get(f"{server.url}/server_info").json()
@@ -339,7 +339,7 @@ def audio_case(args) -> None:
     import httpx
 
     from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
-    from tests.helpers import free_port
+    from tests.support.helpers import free_port
 
     clip = (ROOT / "tests" / "golden" / "vllm-audio" / "mono16k.wav").read_bytes()
     with start_server(args, "tiny-qwen2-audio", free_port()) as server:

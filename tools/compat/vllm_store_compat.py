@@ -52,7 +52,7 @@ def main() -> int:
     from vllm.config.multimodal import MultiModalConfig
     from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding import data, store_client
 
-    from tests.helpers import ServerProcess, png_bytes
+    from tests.support.helpers import ServerProcess, png_bytes
 
     binaries = Path(mooncake.__file__).parent
     port = free_port()

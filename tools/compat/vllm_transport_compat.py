@@ -180,7 +180,7 @@ class VllmConsumer:
 
 
 def png(width: int, height: int, seed: int) -> bytes:
-    from tests.helpers import png_bytes
+    from tests.support.helpers import png_bytes
 
     return png_bytes(width, height, seed)
 
@@ -193,7 +193,7 @@ def native(server, modality: str, item) -> object:
     import httpx
     import torch
 
-    from tests.helpers import decode_embedding
+    from tests.support.helpers import decode_embedding
 
     answer = httpx.post(f"{server.url}/encode", json={"req_id": "native", "modality": modality, "mm_items": [item],
                                                       "return_embedding": True}, timeout=120).json()
@@ -262,7 +262,7 @@ def run(args) -> None:
     import torch
 
     from encode_server.fronts.vllm.video import decode_vllm_video
-    from tests.helpers import ServerProcess
+    from tests.support.helpers import ServerProcess
 
     config = json.dumps({"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer", "ec_buffer_device": "cpu",
                          "ec_buffer_size": 256 << 20,
@@ -377,7 +377,7 @@ def run(args) -> None:
 
 def audio_case(args, config: str) -> None:
     from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
-    from tests.helpers import ServerProcess
+    from tests.support.helpers import ServerProcess
 
     clip = (ROOT / "tests" / "golden" / "vllm-audio" / "mono16k.wav").read_bytes()
     consumer = VllmConsumer(ranks=1)

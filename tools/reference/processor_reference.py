@@ -2,7 +2,7 @@
 
 The Qwen3-VL and GLM-4V processors need torchvision for their video processors, which the
 project's venv does not have, so this runs in a Python that has it (torch + torchvision +
-transformers), on the very folders and media of `tests/vlm_fixtures.py`:
+transformers), on the very folders and media of `tests/support/checkpoints/grid_vision.py`:
 
     # in the side venv that tools/compat/sglang_compat.sh builds:
     PYTHONPATH=$PWD .sglang-venv/bin/python tools/reference/processor_reference.py
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.vlm_fixtures import (  # noqa: E402  (needs the path above)
+from tests.support.checkpoints.grid_vision import (  # noqa: E402  (needs the path above)
     CLIP_SIZES,
     FAMILIES,
     IMAGE_SIZES,

@@ -9,12 +9,12 @@ runs them once in an environment that has it:
     .sglang-venv/bin/python tools/reference/reference_prefill_counts.py
     # (the side venv of tools/compat/sglang_compat.sh: torch 2.14.1, torchvision 0.29.1, transformers 5.23.0)
 
-For each family it builds the tiny checkpoint of `tests/checkpoints.py`, saves the full processor
+For each family it builds the tiny checkpoint of `tests/support/checkpoints/`, saves the full processor
 (image processor, video processor, a tiny tokenizer) into it with `save_pretrained`, loads it back
 with `AutoProcessor.from_pretrained(folder)`, and counts the image (video) placeholder tokens in
 `input_ids` for prompts holding one item each. It writes `tests/data/prefill_reference.json`: the
 processor config files as saved (the tests put them into their own copy of the checkpoint) and the
-counts, which `tests/test_prefill_counts.py` and `tests/test_family_qwen2_vl.py` assert.
+counts, which `tests/models/test_prefill_counts.py` and `tests/models/test_qwen2_vl.py` assert.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def qwen_full_processor(processor_class: str, image_processor, video_settings: d
     import transformers
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from tests.checkpoints import QWEN_VL_TOKENS, tiny_tokenizer
+    from tests.support.checkpoints.qwen_vl import QWEN_VL_TOKENS
+    from tests.support.tiny_parts import tiny_tokenizer
 
     video_processor = Qwen2VLVideoProcessor(**video_settings)
     return getattr(transformers, processor_class)(image_processor=image_processor, tokenizer=tiny_tokenizer(
@@ -49,7 +50,8 @@ def internvl_full_processor(model, image_processor):
     from transformers import InternVLProcessor
     from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
 
-    from tests.checkpoints import INTERNVL_TOKENS, tiny_tokenizer
+    from tests.support.checkpoints.internvl import INTERNVL_TOKENS
+    from tests.support.tiny_parts import tiny_tokenizer
 
     vision = model.config.vision_config
     tokens_per_tile = int((vision.image_size[0] // vision.patch_size[0]) ** 2 * model.config.downsample_ratio ** 2)
@@ -59,7 +61,8 @@ def internvl_full_processor(model, image_processor):
 
 
 def families() -> dict:
-    from tests.checkpoints import internvl_checkpoint, qwen2_vl_checkpoint, qwen25_vl_checkpoint
+    from tests.support.checkpoints.internvl import internvl_checkpoint
+    from tests.support.checkpoints.qwen_vl import qwen2_vl_checkpoint, qwen25_vl_checkpoint
 
     return {
         # The video range differs from the image range, and is saved in the nested processor_config.json.

@@ -3,7 +3,7 @@
     generate: pickle SGLang's own `EmbeddingData` exactly as its encoder server does
               (`EmbeddingData(..., **aux)`, then `pickle.dumps(obj.copy_without_embedding())`) for the
               cases below, and write them to tests/golden/ with a manifest of the inputs; the CI test
-              (tests/test_sglang_wire.py) renders the same inputs with `encode_server.delivery.sglang_wire` and
+              (tests/fronts/test_sglang_wire.py) renders the same inputs with `encode_server.delivery.sglang_wire` and
               compares bytes.
     check:    render the cases with `encode_server.delivery.sglang_wire` and unpickle them with SGLang's own
               `safe_pickle_loads`; they must come back as SGLang's classes with the right values, and

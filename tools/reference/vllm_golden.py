@@ -13,7 +13,7 @@ tRNS chunk, a grayscale PNG, an EXIF-rotated JPEG, a CMYK JPEG), then loads each
 `ProcessorInputs.get_mm_hashes` (for two model ids and the three `--mm-hasher-algorithm`s, and with a
 client uuid), and writes `tests/golden/vllm-0.33.0-identifiers.json`: per image the identifiers, the
 `io_config` vLLM hashed with the bytes, and the size and SHA-256 of the RGB pixels vLLM decoded.
-`tests/test_vllm_identifiers.py` asserts that `fronts.vllm.identifiers` and `fronts.vllm.images` agree.
+`tests/fronts/test_vllm_identifiers.py` asserts that `fronts.vllm.identifiers` and `fronts.vllm.images` agree.
 
 Videos (an MPEG-4 clip, an MJPEG AVI, and a `video/jpeg` frame list): loaded with vLLM's `VideoMediaIO`
 through each of the loaders this producer implements (`opencv`, `qwen2_vl`, `qwen3_vl`,

@@ -1,2 +1,2 @@
-"""The model zoo: a tiny checkpoint for every multimodal `model_type` transformers ships, and how encode-server
-serves each (`python -m tools.zoo` is the command; `run.py` drives it)."""
+"""The model zoo's command, `python -m tools.zoo`: how encode-server serves a tiny checkpoint of every
+multimodal `model_type` transformers ships. Its machinery is in `tests/support/zoo/`, which the tests share."""

@@ -1,6 +1,6 @@
-"""`python -m tools.zoo`: the model zoo's command (see `run.py`)."""
+"""`python -m tools.zoo`: the model zoo's command (see `tests/support/zoo/run.py`)."""
 
-from tools.zoo.run import main
+from tests.support.zoo.run import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,7 +13,7 @@ Only the step after the resize changes: `preprocess`, its argument handling, RGB
 resize itself stay `transformers`' own. An image that is not uint8 after the resize (a float array
 given directly) takes the stock path. `accelerated` gives a copy of an exact stock instance the
 twin's class (a subclass may change any step, so it is left alone) and returns anything else as it
-is. tests/test_fast_patches.py compares every output bit with the installed `transformers`.
+is. tests/models/inputs/test_fast_patches.py compares every output bit with the installed `transformers`.
 """
 
 from __future__ import annotations

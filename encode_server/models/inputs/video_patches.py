@@ -10,7 +10,7 @@ setting comes from the `transformers` video processor object itself, loaded from
 `AutoVideoProcessor` would (`load_video_processor`; instantiating it needs no torchvision, only
 running it does, except Qwen2-VL's whose module imports torchvision: a settings-only twin stands in).
 Its values equal those processors' own, value for value, with torchvision installed and hidden
-(`tests/test_video_parity.py`):
+(`tests/models/inputs/test_video_parity.py`):
 
 1. the frames become a `(T, C, H, W)` uint8 tensor, as `make_batched_videos` + `_prepare_input_videos`;
 2. the clip's frame size comes from the processor class's own `resize` logic (`CLIP_SIZING`: its
@@ -282,7 +282,7 @@ def qwen2_vl_video_settings_class() -> type:
 
     Its module imports torchvision at the top, so the class cannot be imported here; this twin
     (same name, same defaults as in transformers 5.23, checked against the real class by
-    `tests/test_family_qwen3_vl.py` through `tests/data/processor_reference.json`) only holds settings.
+    `tests/models/test_qwen3_vl.py` through `tests/data/processor_reference.json`) only holds settings.
     """
     global _QWEN2_VL_SETTINGS
     if _QWEN2_VL_SETTINGS is None:

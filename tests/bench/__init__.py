@@ -1,0 +1,1 @@
+"""`encode-bench` and the benchmarks (the soak is `slow`)."""

@@ -1,0 +1,1 @@
+"""The embedding cache: in-process, through a server, and its shared tier (format and Store)."""

@@ -1,0 +1,1 @@
+"""Delivering embeddings: the native wire, the sender, registrations, receivers and addresses."""

@@ -1,0 +1,1 @@
+"""Decoding media as `transformers` does, and the decode pool's priority order."""

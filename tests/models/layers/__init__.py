@@ -1,0 +1,1 @@
+"""The model layer's kernels: packed attention, patch embedding, aligned MLPs."""

@@ -1,0 +1,1 @@
+"""Loading checkpoints: byte ranges of safetensors files, models by Hub id."""

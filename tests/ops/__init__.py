@@ -1,0 +1,1 @@
+"""Settings, logs, metrics and housekeeping."""

@@ -1,0 +1,91 @@
+"""Settings: flags over ENCODER_ variables over SGLANG_ aliases over defaults; --help and the README."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from encode_server.ops.settings import OPTIONS, Settings, load_settings, parse_bool, settings_table_markdown
+from tests.support.helpers import ROOT
+
+pytestmark = pytest.mark.quick
+
+
+def test_defaults_match_the_contract():
+    settings = load_settings([], environ={})
+    assert settings == Settings()
+    assert (settings.model, settings.host, settings.port) == ("tiny-qwen2.5-vl", "127.0.0.1", 30000)
+    assert (settings.max_batch_size, settings.max_wait_ms, settings.min_batch_size) == (32, 0.0, 1)
+    assert (settings.hard_timeout_additional_s, settings.max_batch_tokens) == (1.0, 0)
+    assert settings.enable_dynamic_batching is True
+    assert (settings.max_pending, settings.req_timeout_s) == (1024, 180.0)
+    assert (settings.max_request_bytes, settings.max_image_pixels) == (67108864, 50_000_000)
+
+
+def test_env_var_sets_a_value_and_the_flag_wins():
+    env = {"ENCODER_MAX_BATCH_SIZE": "8", "ENCODER_MAX_WAIT_MS": "12.5"}
+    assert load_settings([], environ=env).max_batch_size == 8
+    assert load_settings([], environ=env).max_wait_ms == 12.5
+    assert load_settings(["--max-batch-size", "4"], environ=env).max_batch_size == 4
+
+
+def test_sglang_aliases_apply_only_when_the_encoder_variable_is_unset():
+    alias = {"SGLANG_ENCODER_MAX_BATCH_SIZE": "6", "SGLANG_ENCODER_REQ_TIMEOUT": "30"}
+    settings = load_settings([], environ=alias)
+    assert (settings.max_batch_size, settings.req_timeout_s) == (6, 30.0)
+    assert load_settings([], environ={**alias, "ENCODER_MAX_BATCH_SIZE": "9"}).max_batch_size == 9
+
+
+@pytest.mark.parametrize("text,value", [("false", False), ("0", False), ("no", False), ("True", True),
+                                         ("1", True), ("on", True)])
+def test_booleans_read_like_an_operator_writes_them(text, value):
+    assert parse_bool(text) is value
+    assert load_settings(["--enable-dynamic-batching", text], environ={}).enable_dynamic_batching is value
+    assert load_settings([], environ={"ENCODER_ENABLE_DYNAMIC_BATCHING": text}).enable_dynamic_batching is value
+
+
+def test_bare_boolean_flag_means_true():
+    env = {"ENCODER_ENABLE_DYNAMIC_BATCHING": "false"}
+    assert load_settings(["--enable-dynamic-batching"], environ=env).enable_dynamic_batching is True
+
+
+@pytest.mark.parametrize("argv", [["--max-batch-size", "0"], ["--max-wait-ms", "-1"], ["--port", "70000"],
+                                  ["--req-timeout-s", "0"], ["--dtype", "int8"], ["--max-batch-size", "x"],
+                                  ["--device", "gpu"], ["--device", "cuda:x"], ["--device", "cuda:"]])
+def test_bad_values_are_refused_at_start(argv):
+    with pytest.raises(SystemExit):
+        load_settings(argv, environ={})
+
+
+def test_a_bad_value_is_one_line_on_stderr_not_the_usage(capsys):
+    with pytest.raises(SystemExit) as exited:
+        load_settings(["--max-batch-size", "0"], environ={})
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "encode-server: error: --max-batch-size must be at least 1, got 0\n"
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:7"])
+def test_accepted_devices(device):
+    assert load_settings(["--device", device], environ={}).device == device
+
+
+def test_bad_env_value_is_refused_with_its_name():
+    with pytest.raises(SystemExit, match="ENCODER_MAX_PENDING"):
+        load_settings([], environ={"ENCODER_MAX_PENDING": "lots"})
+
+
+def test_help_documents_every_flag_its_variable_and_default():
+    out = subprocess.run([sys.executable, "-m", "encode_server", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    flat = " ".join(out.split())
+    for option in OPTIONS:
+        assert option.flag in flat and option.env_var in flat
+    assert "(default: 32)" in flat and "SGLANG_ENCODER_MAX_BATCH_SIZE" in flat
+
+
+def test_readme_lists_every_setting():
+    readme = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    assert settings_table_markdown() in readme, \
+        "regenerate the table in docs/CONFIGURATION.md: python -m encode_server.ops.settings"

@@ -1,0 +1,1 @@
+"""The processes the server starts: tensor-parallel ranks, data-parallel replicas, preprocessing workers."""

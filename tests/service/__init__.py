@@ -1,0 +1,1 @@
+"""The service in-process: admission, priorities, timeouts, on the real built-in encoder."""

@@ -1,0 +1,1 @@
+"""The compatibility harnesses and the model zoo (`tools/`), where they compute something worth pinning."""
