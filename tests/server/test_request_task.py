@@ -12,6 +12,8 @@ import pytest
 
 from encode_server.fronts.native.routes import CLIENT_CLOSED, answer_encode
 
+pytestmark = pytest.mark.quick
+
 LIMIT = 1 << 20
 
 
