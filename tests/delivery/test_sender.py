@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import time
 
 import pytest
@@ -74,8 +75,11 @@ def test_no_peer_fails_after_the_send_timeout_and_not_before():
 
 
 def test_a_send_waiting_for_its_peer_goes_out_once_the_peer_binds():
-    pull, endpoint = pull_socket()
-    pull.close(0)
+    # The port is held by a bound socket that does not listen (connections are refused), so that no other
+    # test's socket, in this process or another worker, can take it while the send waits.
+    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reservation.bind(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{reservation.getsockname()[1]}"
     sender = EmbeddingSender(send_timeout_s=10)
 
     async def scenario():
@@ -84,6 +88,7 @@ def test_a_send_waiting_for_its_peer_goes_out_once_the_peer_binds():
         assert not sending.done()  # waiting, not failed, not busy-looping the send
         late = zmq.Context.instance().socket(zmq.PULL)
         late.setsockopt(zmq.LINGER, 0)
+        reservation.close()
         late.bind(endpoint)
         try:
             await asyncio.wait_for(sending, 8)
