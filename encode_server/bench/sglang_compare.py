@@ -132,9 +132,7 @@ class Server:
     def __enter__(self) -> Server:
         import httpx
 
-        from encode_server.bench.launcher import ROOT
-
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
