@@ -79,6 +79,11 @@ def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
+#: How long after a grant the side channel advances the agent without pause (a loopback or TCP read of tens of MiB
+#: ends well within it); after it, once a millisecond until the consumer's notification or the lease.
+READ_SPIN_S = 0.5
+
+
 @dataclass
 class _Grant:
     mm_hash: str
@@ -207,9 +212,11 @@ class CPUConnectorProducer:
         while not self._stop.is_set():
             try:
                 # While reads are granted the agent's progress (over TCP, a READ advances only with it) comes
-                # from here, as often as the thread gets to run; idle, a request wakes the poll at once.
-                reading = bool(self._grants)
-                if dict(poller.poll(0 if reading else 20)).get(self._router):
+                # from here: as often as the thread gets to run for a read granted in the last READ_SPIN_S, every
+                # millisecond for an older one (its consumer may be gone: it waits for the lease, not spinning);
+                # idle, a request wakes the poll at once.
+                reading, waiting = self._reads_in_progress()
+                if dict(poller.poll(0 if reading else 1 if waiting else 20)).get(self._router):
                     self._answer_all()
                 self._drain_notifications()
                 self._sweep()
@@ -219,6 +226,12 @@ class CPUConnectorProducer:
                 return
             except Exception:  # noqa: BLE001 - the side channel must outlive any one bad exchange
                 log.exception("ECCPUConnector: side channel step failed")
+
+    def _reads_in_progress(self) -> tuple[bool, bool]:
+        """(a read granted within READ_SPIN_S, any read granted and not yet done)."""
+        now = time.monotonic()
+        with self._grants_lock:
+            return any(now - grant.started < READ_SPIN_S for grant in self._grants.values()), bool(self._grants)
 
     def _answer_all(self) -> None:
         while True:
