@@ -17,17 +17,20 @@ GB/s over `--count` items, and the ratio to bare is taken per repeat and printed
     python benchmarks/transport.py --sizes-mb 1,16,64 --count 20 --repeats 5 --protocol tcp
 
 With `--library nixl` the consumer process reads (as vLLM's `ECCPUConnector` consumer does: one NIXL READ of
-an item's blocks, in blocks of `--block-bytes`, with its notification) and this process produces:
+an item's blocks, in blocks of `--block-bytes`, with its notification) from one of two producers:
 
-    bare        the library alone: a registered buffer already holding the item, read per item
+    bare        the library alone, as it ships (its progress thread on), in a process of its own that lives only
+                while it is measured: a registered buffer already holding the item, read per item
     bare+copy   the same, the item's bytes copied into the registered buffer before each read (what any
                 producer of rows just computed must do, unless it computes into registered memory)
-    ours        `fronts.vllm.cpu_connector.CPUConnectorProducer`: the rows put into its pool (blocks taken, bytes
-                copied), then the consumer's XferReq and our XferAck over the side channel, the READ, and
-                the notification our side channel drains (the pin released), counters and all
+    ours read   `fronts.vllm.cpu_connector.CPUConnectorProducer`, as the consumer waits for it: the consumer's
+                XferReq and our XferAck over the side channel, the READ, and the notification our side channel
+                drains (the pin released). The item is in the pool already, as when served: its rows go in
+                before the encoder answers, so before any consumer can ask for it
+    ours put+read  the same with the put (blocks taken, bytes copied) in the timed span
 
 The NIXL figure is the item's size over the median time per item of the `--count` items of a repeat: on a
-shared machine single reads swing by two orders of magnitude (the producer's UCX progress thread must be
+shared machine single reads swing by two orders of magnitude (the producer's UCX progress must be
 scheduled for a READ over TCP), and a sum would be the outliers'.
 
     python benchmarks/transport.py --library nixl --sizes-mb 1,16,64 --count 10 --repeats 5
@@ -122,17 +125,46 @@ def nixl_reader(connection, block_size: int, blocks: int, compat: str) -> None:
                 connection.send(time.perf_counter() - started)
 
 
-def bench_nixl(args, sizes: list[int]) -> int:
-    import asyncio  # noqa: F401 - the producer's module expects a loop-capable process
+def bare_producer(connection, block: int, blocks: int) -> None:
+    """The bare library's producer process: an agent as NIXL ships it (its progress thread on) and a registered
+    buffer; per command, the item's bytes copied in (timed) and the consumer's reads, until told to stop."""
     import mmap
 
+    import msgpack
     import numpy as np
-    import torch
     from nixl._api import nixl_agent, nixl_agent_config
+
+    from encode_server.transport.nixl import block_descriptors, quiet_ucx_exit
+
+    quiet_ucx_exit()
+    agent = nixl_agent(f"bare-producer-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+    area = mmap.mmap(-1, blocks * block)
+    buffer = np.frombuffer(area, dtype=np.uint8)
+    buffer[::mmap.PAGESIZE] = 0
+    registration = agent.get_reg_descs([(buffer.ctypes.data, blocks * block, 0, "")], "DRAM")
+    agent.register_memory(registration, backends=["UCX"])
+    connection.send((agent.get_agent_metadata(), msgpack.packb(block_descriptors(buffer.ctypes.data, blocks, block))))
+    while (command := connection.recv()) != "stop":
+        flat, count = command
+        copies = []
+        for _ in range(count):
+            started = time.perf_counter()
+            buffer[:flat.size] = flat
+            copies.append(time.perf_counter() - started)
+        connection.send(copies)
+    agent.deregister_memory(registration, backends=["UCX"])
+    connection.send("stopped")
+    os._exit(0)  # NIXL's agents go with the process
+
+
+def bench_nixl(args, sizes: list[int]) -> int:
+    import asyncio  # noqa: F401 - the producer's module expects a loop-capable process
+
+    import torch
 
     from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer
     from encode_server.ops.transfer_config import ECTransferConfig
-    from encode_server.transport.nixl import block_descriptors, quiet_ucx_exit
+    from encode_server.transport.nixl import quiet_ucx_exit
     from tests.support.helpers import free_port
 
     quiet_ucx_exit()
@@ -142,24 +174,38 @@ def bench_nixl(args, sizes: list[int]) -> int:
                               progress_thread=args.progress_thread)
     port = free_port()
     ours = CPUConnectorProducer(config, "bench", block // 4, torch.float32, "bench", "0.33.0", "127.0.0.1", port)
-    bare = nixl_agent("bare-producer", nixl_agent_config(backends=["UCX"]))
-    area = mmap.mmap(-1, most * block)
-    buffer = np.frombuffer(area, dtype=np.uint8)
-    registration = bare.get_reg_descs([(buffer.ctypes.data, most * block, 0, "")], "DRAM")
-    bare.register_memory(registration, backends=["UCX"])
-    import msgpack
-
-    descriptor = msgpack.packb(block_descriptors(buffer.ctypes.data, most, block))
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(target=nixl_reader, args=(child, block, most + 1, ours.compat_hash))
     process.start()
     assert parent.recv() == "ready"
+
+    def bare_reads(flat, rows: int) -> tuple[list[float], list[float]]:
+        """The bare producer's reads, then its copy-then-read, for this repeat: its process (and its spinning progress
+        thread) lives only while they are measured, as ours idles while they are."""
+        here, there = context.Pipe()
+        producer = context.Process(target=bare_producer, args=(there, block, most))
+        producer.start()
+        metadata, descriptor = here.recv()
+        here.send((flat, 1))
+        here.recv()
+        parent.send(("bare", metadata, descriptor, rows, args.count))
+        reads = parent.recv()
+        here.send((flat, args.count))
+        copies = here.recv()
+        parent.send(("bare", metadata, descriptor, rows, args.count))
+        copied_reads = [copy + read for copy, read in zip(copies, parent.recv())]
+        here.send("stop")
+        here.recv()
+        producer.join(30)
+        return reads, copied_reads
+
     print(f"NIXL reads (UCX, UCX_TLS {os.environ.get('UCX_TLS', 'default')}) on loopback, blocks of {block} bytes; "
           f"{args.count} items per measurement, {args.repeats} repeats; ours "
           f"{'with' if args.progress_thread else 'without'} NIXL's progress thread\n")
-    print("| size | bare GB/s | bare+copy GB/s | ours GB/s | ours / bare | ours / bare+copy |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| size | bare GB/s | bare+copy GB/s | ours read GB/s | ours put+read GB/s | ours read / bare | "
+          "ours put+read / bare+copy |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     serial = 0
     try:
         for size in sizes:
@@ -167,22 +213,12 @@ def bench_nixl(args, sizes: list[int]) -> int:
             nbytes = rows * block
             source = torch.randn(rows, block // 4)
             flat = source.view(torch.uint8).numpy().reshape(-1)
-            buffer[:nbytes] = flat
-            results: dict[str, list[float]] = {"bare": [], "bare+copy": [], "ours": []}
+            results: dict[str, list[float]] = {"bare": [], "bare+copy": [], "ours read": [], "ours put+read": []}
             for _ in range(args.repeats):
-                parent.send(("bare", bare.get_agent_metadata(), descriptor, rows, args.count))
-                reads = parent.recv()
+                reads, copied_reads = bare_reads(flat, rows)
                 results["bare"].append(nbytes / statistics.median(reads) / 1e9)
-                copies = []
-                for _ in range(args.count):
-                    started = time.perf_counter()
-                    buffer[:nbytes] = flat
-                    copies.append(time.perf_counter() - started)
-                parent.send(("bare", bare.get_agent_metadata(), descriptor, rows, args.count))
-                reads = parent.recv()
-                results["bare+copy"].append(nbytes / statistics.median(
-                    [copy + read for copy, read in zip(copies, reads)]) / 1e9)
-                items = []
+                results["bare+copy"].append(nbytes / statistics.median(copied_reads) / 1e9)
+                items, whole = [], []
                 for _ in range(args.count + 1):
                     serial += 1
                     started = time.perf_counter()
@@ -191,16 +227,19 @@ def bench_nixl(args, sizes: list[int]) -> int:
                     parent.send(("ours", "127.0.0.1", port, f"item-{serial}"))
                     read = parent.recv()
                     if _:  # the first one connects
-                        items.append(put + read)
-                results["ours"].append(nbytes / statistics.median(items) / 1e9)
+                        items.append(read)
+                        whole.append(put + read)
+                results["ours read"].append(nbytes / statistics.median(items) / 1e9)
+                results["ours put+read"].append(nbytes / statistics.median(whole) / 1e9)
 
             def ratio(name: str, base: str, results=results) -> str:
                 values = [a / b for a, b in zip(results[name], results[base])]
                 return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
             print(f"| {size >> 20} MiB | {statistics.median(results['bare']):.2f} | "
-                  f"{statistics.median(results['bare+copy']):.2f} | {statistics.median(results['ours']):.2f} | "
-                  f"{ratio('ours', 'bare')} | {ratio('ours', 'bare+copy')} |", flush=True)
+                  f"{statistics.median(results['bare+copy']):.2f} | {statistics.median(results['ours read']):.2f} | "
+                  f"{statistics.median(results['ours put+read']):.2f} | {ratio('ours read', 'bare')} | "
+                  f"{ratio('ours put+read', 'bare+copy')} |", flush=True)
         deadline = time.monotonic() + 5
         while ours.open_reservations and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -209,7 +248,6 @@ def bench_nixl(args, sizes: list[int]) -> int:
         parent.send("stop")
         process.join(30)
         ours.close()
-        bare.deregister_memory(registration, backends=["UCX"])
     os._exit(0)  # NIXL's agents go with the process
 
 
