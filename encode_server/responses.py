@@ -4,13 +4,13 @@ when asked for, the embedding as base64 of its raw little-endian bytes."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import time
 from typing import Any
 
 import torch
 
+from encode_server.media import base64_codec as base64
 from encode_server.models.dtypes import DTYPE_NAMES, raw_bytes
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodedPart, PartMeta

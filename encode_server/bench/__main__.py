@@ -134,7 +134,7 @@ def sweep(url: str, config: str, args, workload, pid: int | None = None) -> list
                 before["_cpu_s"] = cpu_seconds(pid)
 
         point = asyncio.run(generator(url, config, load, total, args.modality, workload, bar,
-                                      on_start=snapshot, headers=HEADERS)).as_dict()
+                                      on_start=snapshot, headers=HEADERS, warm=args.warm_requests)).as_dict()
         if bar is not None:
             bar.close()
         point["workload"] = workload.name
@@ -327,6 +327,9 @@ def parse_args(argv=None):
     parser.add_argument("--modality", choices=("image", "audio"), default="image")
     parser.add_argument("--workload", type=lambda t: t.split(","), default=["single"],
                         help=f"comma-separated: {', '.join(WORKLOADS)}")
+    parser.add_argument("--warm-requests", type=int, default=8,
+                        help="requests of the workload sent before each point's clock starts; as many as a point "
+                             "sends measures a cache in its steady state rather than from cold")
     parser.add_argument("--chat-conversations", type=int, default=256, help="conversations in the chat workload")
     parser.add_argument("--zipf", type=float, default=1.1, help="popularity exponent of the chat conversations")
     parser.add_argument("--cache-bytes", default="auto", help="the cache-on server's --cache-bytes")

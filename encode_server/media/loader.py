@@ -11,7 +11,6 @@ fuse). The decoding itself (and `MediaLimits`, `MediaError`) lives in `media/dec
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import re
 import urllib.parse
@@ -24,6 +23,7 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
+from encode_server.media import base64_codec as base64
 from encode_server.media.decoding import (
     MediaError,
     MediaLimits,

@@ -20,7 +20,6 @@ vLLM's pixels otherwise. `data:` URLs are read as vLLM reads them (base64 only, 
 
 from __future__ import annotations
 
-import base64
 import binascii
 import contextlib
 import io
@@ -29,6 +28,7 @@ from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from encode_server.media import base64_codec as base64
 from encode_server.media.decoding import MediaError
 
 #: vLLM's `ALLOWED_IMAGE_FORMATS` (`vllm/multimodal/image.py`): Pillow plugins that decode in-process.

@@ -29,7 +29,6 @@ consumer's only when both sides run the same OpenCV build.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import json
@@ -41,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from encode_server.fronts.vllm.images import decode_vllm_image
+from encode_server.media import base64_codec as base64
 from encode_server.media.decoding import MediaError
 
 #: vLLM's `VideoMediaIO` default `num_frames` (also the cap on a `video/jpeg` frame list).
