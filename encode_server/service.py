@@ -38,6 +38,7 @@ from encode_server.media.loader import LoadedItem, MediaLoader, parse_item
 from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
 from encode_server.models import EncoderAdapter, ItemLayout
 from encode_server.models.dtypes import DTYPE_NAMES
+from encode_server.ops.cores import usable_cores
 from encode_server.ops.health import HealthProbe
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
@@ -48,7 +49,7 @@ from encode_server.scheduling.clock import Clock, MonotonicClock
 from encode_server.scheduling.cost_model import CostModel
 from encode_server.scheduling.demand import Demand, SharedDemand
 from encode_server.scheduling.policy import BatchPolicy
-from encode_server.scheduling.scheduler import EncoderScheduler
+from encode_server.scheduling.scheduler import EncoderScheduler, batches_in_flight
 from encode_server.scheduling.scheduler_thread import SchedulerThread
 
 log = logging.getLogger("encode_server.service")
@@ -179,8 +180,11 @@ class EncoderService:
             # so one batch in flight (in the forward) is enough: the next takes what is ready when it ends.
             return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=1, clock=self.clock,
                                     costs=self.costs, prefetch_limit=policy.max_batch_size)
-        return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=2 * self.settings.dp_size,
-                                clock=self.clock, costs=self.costs)
+        in_flight = batches_in_flight(self.adapter.device.type != "cpu", torch.get_num_threads(), usable_cores(),
+                                      self.settings.dp_size)
+        log.info("scheduler: up to %d batch(es) in flight", in_flight)
+        return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=in_flight, clock=self.clock,
+                                costs=self.costs)
 
     @property
     def media_pool(self) -> PriorityThreadPool:
@@ -439,6 +443,7 @@ class EncoderService:
                                                              "alive": True}],
             "pending": self.pending,
             "queue_depth": self.scheduler.queue_depth,
+            "batches_in_flight_max": self.scheduler.scheduler.max_in_flight,
             "uptime_s": time.time() - self.started_at,
             "cache_store": self.store_info(),
         }

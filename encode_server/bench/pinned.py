@@ -6,44 +6,57 @@
 - service: `encode-server` started on core 0 alone (`--cpu-threads 1`, and any `--server-flag`s), the
   load generator on core 1, a closed loop at `--concurrency` with one image per request.
 
-The ratio service / ceiling says what the per-request path costs. Needs two cores.
+The two alternate for `--rounds` rounds against one server (a shared machine drifts between minutes, and a
+ratio of two figures taken minutes apart would carry the drift); each round's ratio service / ceiling says
+what the per-request path costs, and the median and spread of the rounds are printed. Needs two cores.
 
-    python -m encode_server.bench.pinned --concurrency 64 --requests 3000   # with the machine to itself
+    python -m encode_server.bench.pinned --concurrency 64 --requests 3000 --rounds 5   # the machine to itself
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import io
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterator
 
 import torch
 from PIL import Image
 
+from encode_server.media import base64_codec as base64  # the service's decoder: the ceiling does what it does
 
-def ceiling(model: str, payloads: list[str], batch_size: int, seconds: float, core: int) -> dict:
+
+def load_ceiling_model(model: str):
     from encode_server.models import load_adapter
 
+    torch.set_num_threads(1)
+    return load_adapter(model, "cpu", "float32")
+
+
+def ceiling(adapter, payloads: list[str], batch_size: int, seconds: float, core: int) -> dict:
+    """Images per second through decode, the processor and the forward on `core`, one torch thread."""
+    own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    adapter = load_adapter(model, "cpu", "float32")
 
     def one_batch(batch: list[str]) -> None:
         items = [Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB") for payload in batch]
         adapter.forward(adapter.preprocess("image", items))
 
-    one_batch(payloads[:batch_size])
-    done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        one_batch([payloads[(done + i) % len(payloads)] for i in range(batch_size)])
-        done += batch_size
-    wall = time.perf_counter() - started
+    try:
+        one_batch(payloads[:batch_size])
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            one_batch([payloads[(done + i) % len(payloads)] for i in range(batch_size)])
+            done += batch_size
+        wall = time.perf_counter() - started
+    finally:
+        os.sched_setaffinity(0, own)
     return {"mode": "ceiling", "images": done, "images_per_s": done / wall}
 
 
@@ -68,15 +81,20 @@ def pinned_server(server_core: int | None, client_core: int | None, *flags: str)
         os.sched_setaffinity(0, own)
 
 
-def service(model: str, payloads: list[str], concurrency: int, requests: int, server_core: int, client_core: int,
-            flags: list[str]) -> dict:
+def service_run(url: str, payloads: list[str], concurrency: int, requests: int, client_core: int) -> dict:
     from encode_server.bench.load import closed_loop
 
-    # --cache-bytes 0: the payloads repeat, and the embedding cache would answer all but the first 32.
-    with pinned_server(server_core, client_core, "--model", model, "--max-batch-size", "32", "--cache-bytes", "0",
-                       *flags) as server:
-        result = asyncio.run(closed_loop(server.url, "pinned", concurrency, requests, "image", payloads))
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {client_core})
+    try:
+        result = asyncio.run(closed_loop(url, "pinned", concurrency, requests, "image", payloads))
+    finally:
+        os.sched_setaffinity(0, own)
     return {**result.as_dict(), "mode": "service"}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def main(argv=None) -> None:
@@ -86,18 +104,31 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="tiny-qwen2.5-vl")
     parser.add_argument("--image-size", type=int, default=56)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each round's ceiling")
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--requests", type=int, default=3000, help="requests in each round's service run")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-flag", action="append", default=[], help="extra server flag (repeatable)")
     args = parser.parse_args(argv)
     payloads = make_payloads("image", 32, args.image_size)
-    served = service(args.model, payloads, args.concurrency, args.requests, 0, 1, args.server_flag)
-    print(json.dumps(served), flush=True)
-    top = ceiling(args.model, payloads, args.batch_size, args.seconds, 0)
-    print(json.dumps(top), flush=True)
-    print(f"pinned service / in-process ceiling: {served['throughput_rps']:.0f} / {top['images_per_s']:.0f} = "
-          f"{served['throughput_rps'] / top['images_per_s']:.2f}", flush=True)
+    adapter = load_ceiling_model(args.model)
+    ratios, served, tops = [], [], []
+    # --cache-bytes 0: the payloads repeat, and the embedding cache would answer all but the first 32.
+    with pinned_server(0, None, "--model", args.model, "--max-batch-size", "32", "--cache-bytes", "0",
+                       *args.server_flag) as server:
+        for round_ in range(1, args.rounds + 1):
+            run = service_run(server.url, payloads, args.concurrency, args.requests, 1)
+            top = ceiling(adapter, payloads, args.batch_size, args.seconds, 0)
+            print(json.dumps({"round": round_, **run}), flush=True)
+            print(json.dumps({"round": round_, **top}), flush=True)
+            served.append(run["throughput_rps"])
+            tops.append(top["images_per_s"])
+            ratios.append(served[-1] / tops[-1])
+            print(f"round {round_}: pinned service / in-process ceiling: {served[-1]:.0f} / {tops[-1]:.0f} = "
+                  f"{ratios[-1]:.2f}", flush=True)
+    print(f"pinned service / in-process ceiling over {args.rounds} rounds: service {statistics.median(served):.0f} "
+          f"req/s [{min(served):.0f}-{max(served):.0f}], ceiling {statistics.median(tops):.0f} img/s "
+          f"[{min(tops):.0f}-{max(tops):.0f}], ratio {spread(ratios)}", flush=True)
 
 
 if __name__ == "__main__":

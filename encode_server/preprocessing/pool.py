@@ -58,6 +58,7 @@ from pathlib import Path
 
 from encode_server.media.decoding import MediaLimits
 from encode_server.models import EncoderAdapter, PreparedBatch
+from encode_server.ops.cores import usable_cores
 from encode_server.preprocessing.process import WorkerHandle, worker_context
 from encode_server.preprocessing.shared_tensors import SHM_DIR, SharedTensors, import_tensors, remove_stale_blocks
 from encode_server.preprocessing.tasks import Submission, SubmissionFuture, Task, TaskQueue
@@ -74,10 +75,7 @@ def default_preprocess_workers(cores: int | None = None) -> int:
     worker per core beats keeping one core for a mostly idle loop. One core: 0 (in-process, as before).
     """
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
     return 0 if cores < 2 else max(2, cores - 1)
 
 

@@ -270,3 +270,13 @@ async def test_work_ahead_of_requests_failed_at_stop_is_given_back():
     await stopping
     assert all(isinstance(f.exception(), EncodeError) and f.exception().status == 503 for f in queued)
     assert sorted(engine.forgotten) == ["q0", "q1", "q2"] and not engine.live
+
+
+def test_two_batches_in_flight_only_where_preparation_can_overlap_the_forward():
+    from encode_server.scheduling.scheduler import batches_in_flight
+
+    assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=1) == 1  # one core, filled
+    assert batches_in_flight(on_accelerator=False, forward_threads=2, cores=2) == 1
+    assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=2) == 2  # a core left to prepare on
+    assert batches_in_flight(on_accelerator=True, forward_threads=1, cores=1) == 2  # a GPU's forward
+    assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=1, replicas=3) == 6

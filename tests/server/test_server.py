@@ -223,3 +223,28 @@ def test_health_answers_during_a_burst_and_performance_reports_it(default_server
     assert set(perf["latency_ms"]) == {"avg", "p50", "p99"}
     assert 0 < perf["batching_efficiency"] <= 1 and perf["avg_batch_size"] >= 1
     assert perf["queue_depth"] == 0
+
+
+def test_one_batch_in_flight_where_the_forward_fills_the_only_core():
+    """On one core with one torch thread, a second batch in flight would only split the queue: the server keeps
+    one (`/server_info`'s `batches_in_flight_max`); with a core to spare, two."""
+    import os
+
+    own, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        os.sched_setaffinity(0, {min(own)})  # the server's threads inherit it
+        torch.set_num_threads(1)
+        with InProcessServer() as server:
+            assert httpx.get(f"{server.url}/server_info").json()["batches_in_flight_max"] == 1
+    finally:
+        os.sched_setaffinity(0, own)
+        torch.set_num_threads(threads)
+    from encode_server.ops.cores import usable_cores
+
+    if usable_cores() > 1:  # affinity and any container quota
+        torch.set_num_threads(1)
+        try:
+            with InProcessServer() as server:
+                assert httpx.get(f"{server.url}/server_info").json()["batches_in_flight_max"] == 2
+        finally:
+            torch.set_num_threads(threads)
