@@ -443,7 +443,7 @@ class EncoderService:
                                                              "alive": True}],
             "pending": self.pending,
             "queue_depth": self.scheduler.queue_depth,
-            "batches_in_flight_max": self.scheduler.scheduler.max_in_flight,
+            "batches_in_flight_max": self.scheduler.max_in_flight,
             "uptime_s": time.time() - self.started_at,
             "cache_store": self.store_info(),
         }

@@ -101,6 +101,10 @@ class SchedulerThread:
     def batches_in_flight(self) -> int:
         return self.scheduler.batches_in_flight
 
+    @property
+    def max_in_flight(self) -> int:
+        return self.scheduler.max_in_flight
+
     def submit(self, job: EncodeJob, deadline: float, priority: int = 0,
                expires: float | None = None) -> asyncio.Future[EncodedPart]:
         """As `EncoderScheduler.submit`, from the caller's loop: the future is the caller's."""

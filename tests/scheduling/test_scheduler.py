@@ -276,7 +276,9 @@ def test_two_batches_in_flight_only_where_preparation_can_overlap_the_forward():
     from encode_server.scheduling.scheduler import batches_in_flight
 
     assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=1) == 1  # one core, filled
-    assert batches_in_flight(on_accelerator=False, forward_threads=2, cores=2) == 1
-    assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=2) == 2  # a core left to prepare on
+    assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=2) == 1  # the other is the loop's
+    assert batches_in_flight(on_accelerator=False, forward_threads=8, cores=9) == 1
+    assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=3) == 2  # a core to prepare on
+    assert batches_in_flight(on_accelerator=False, forward_threads=8, cores=16) == 2
     assert batches_in_flight(on_accelerator=True, forward_threads=1, cores=1) == 2  # a GPU's forward
     assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=1, replicas=3) == 6

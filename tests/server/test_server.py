@@ -225,26 +225,24 @@ def test_health_answers_during_a_burst_and_performance_reports_it(default_server
     assert perf["queue_depth"] == 0
 
 
-def test_one_batch_in_flight_where_the_forward_fills_the_only_core():
+def test_one_batch_in_flight_where_the_forward_leaves_no_core_to_prepare_on():
     """On one core with one torch thread, a second batch in flight would only split the queue: the server keeps
-    one (`/server_info`'s `batches_in_flight_max`); with a core to spare, two."""
+    one (`/server_info`'s `batches_in_flight_max`); on this machine's cores, what the rule says for them."""
     import os
+
+    from encode_server.ops.cores import usable_cores
+    from encode_server.scheduling.scheduler import batches_in_flight
 
     own, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        os.sched_setaffinity(0, {min(own)})  # the server's threads inherit it
         torch.set_num_threads(1)
+        os.sched_setaffinity(0, {min(own)})  # the server's threads inherit it
         with InProcessServer() as server:
             assert httpx.get(f"{server.url}/server_info").json()["batches_in_flight_max"] == 1
+        os.sched_setaffinity(0, own)
+        with InProcessServer() as server:
+            assert httpx.get(f"{server.url}/server_info").json()["batches_in_flight_max"] == batches_in_flight(
+                False, 1, usable_cores())
     finally:
         os.sched_setaffinity(0, own)
         torch.set_num_threads(threads)
-    from encode_server.ops.cores import usable_cores
-
-    if usable_cores() > 1:  # affinity and any container quota
-        torch.set_num_threads(1)
-        try:
-            with InProcessServer() as server:
-                assert httpx.get(f"{server.url}/server_info").json()["batches_in_flight_max"] == 2
-        finally:
-            torch.set_num_threads(threads)
