@@ -13,7 +13,6 @@ audio).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -21,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -31,9 +29,14 @@ from encode_server.models.families.dots3_note import FAMILY, audio_rows
 from encode_server.models.loading.checkpoint import CheckpointError
 from encode_server.models.registry import family_for_model_type, load_checkpoint
 from tests.support.checkpoints.dots3_note import DOTS_SAMPLING_RATE, dots3_note_checkpoint
-from tests.support.family_fixtures import check_fused_equals_alone, checkpoint_fixtures, spliced_rows
-from tests.support.helpers import BATCHING, ROOT, InProcessServer, embedding_of, png_b64, post_all, rel_diff
-from tests.support.tiny_parts import random_image, video, wav_b64, waveform
+from tests.support.family_fixtures import (
+    check_fused_equals_alone,
+    check_server_fuses_audio_and_serves_images_and_video,
+    checkpoint_fixtures,
+    spliced_rows,
+)
+from tests.support.helpers import ROOT, rel_diff
+from tests.support.tiny_parts import random_image, video, waveform
 
 CPU, F32 = torch.device("cpu"), torch.float32
 IMAGE_SIZES = [(60, 45), (130, 40), (30, 90), (100, 100)]
@@ -183,30 +186,8 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
                                                   inputs["chunk_sample_lengths"]).pooler_output
 
     waves = [waveform(seconds, DOTS_SAMPLING_RATE, seed) for seed, seconds in enumerate([0.3, 4.0, 0.7, 2.0])]
-    with InProcessServer("--model", str(folder), *BATCHING) as server:
-        info = httpx.get(server.url + "/server_info").json()["model"]
-        assert info["family"] == "dots3_note" and info["modalities"] == ["image", "video", "audio"]
-        bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [wav_b64(wave, DOTS_SAMPLING_RATE)],
-                   "return_embedding": True} for i, wave in enumerate(waves)]
-        responses = asyncio.run(post_all(server.url, bodies))
-        for response, wave in zip(responses, waves):
-            assert response.status_code == 200, response.text
-            body = response.json()
-            assert body["batch_size"] == len(waves)
-            assert rel_diff(embedding_of(body), alone(wave)) <= 1e-5
-        assert [response.json()["items"][0]["tokens"] for response in responses] == [4, 51, 9, 25]
-        image, frames = images()[0], videos()[0]
-        for modality, item, expected in (("image", png_b64(image), adapter_rows(adapter, "image", image)),
-                                         ("video", {"frames": [png_b64(f) for f in frames]},
-                                          adapter_rows(adapter, "video", frames))):
-            response = httpx.post(server.url + "/encode", timeout=60, json={
-                "req_id": modality, "modality": modality, "mm_items": [item], "return_embedding": True})
-            assert response.status_code == 200, response.text
-            assert rel_diff(embedding_of(response.json()), expected) <= 1e-5
-
-
-def adapter_rows(adapter, modality, item):
-    return adapter.forward(adapter.preprocess(modality, [item]))
+    check_server_fuses_audio_and_serves_images_and_video(folder, "dots3_note", DOTS_SAMPLING_RATE, waves, alone,
+                                                         [4, 51, 9, 25], adapter, images()[0], videos()[0])
 
 
 def test_from_the_hub_only_the_towers_bytes_are_read_experts_included(checkpoint, tmp_path):

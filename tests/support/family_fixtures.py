@@ -67,3 +67,39 @@ def spliced_rows(model, inputs: dict, image_token_id: int) -> torch.Tensor:
     finally:
         handle.remove()
     return captured["embeds"][0][inputs["input_ids"][0] == image_token_id]
+
+
+def check_server_fuses_audio_and_serves_images_and_video(folder: Path, family: str, sampling_rate: int,
+                                                         waves: Sequence[Any], alone: Callable[[Any], torch.Tensor],
+                                                         tokens: list[int], adapter, image, frames) -> None:
+    """Through the real server on `folder`: the `waves` as audio requests fused in one forward, each answered with
+    `alone(wave)`'s rows and its `tokens`; then an image and a video, each with the adapter's own rows."""
+    import asyncio
+
+    import httpx
+
+    from tests.support.helpers import BATCHING, InProcessServer, embedding_of, png_b64, post_all
+    from tests.support.tiny_parts import wav_b64
+
+    def adapter_rows(modality, item):
+        return adapter.forward(adapter.preprocess(modality, [item]))
+
+    with InProcessServer("--model", str(folder), *BATCHING) as server:
+        info = httpx.get(server.url + "/server_info").json()["model"]
+        assert info["family"] == family and info["modalities"] == ["image", "video", "audio"]
+        bodies = [{"req_id": f"a{i}", "modality": "audio", "mm_items": [wav_b64(wave, sampling_rate)],
+                   "return_embedding": True} for i, wave in enumerate(waves)]
+        responses = asyncio.run(post_all(server.url, bodies))
+        for response, wave in zip(responses, waves):
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["batch_size"] == len(waves)
+            assert rel_diff(embedding_of(body), alone(wave)) <= 1e-5
+        assert [response.json()["items"][0]["tokens"] for response in responses] == tokens
+        for modality, item, expected in (("image", png_b64(image), adapter_rows("image", image)),
+                                         ("video", {"frames": [png_b64(f) for f in frames]},
+                                          adapter_rows("video", frames))):
+            response = httpx.post(server.url + "/encode", timeout=60, json={
+                "req_id": modality, "modality": modality, "mm_items": [item], "return_embedding": True})
+            assert response.status_code == 200, response.text
+            assert rel_diff(embedding_of(response.json()), expected) <= 1e-5
