@@ -34,7 +34,6 @@ from encode_server.media import base64_codec as base64  # the service's decoder:
 def load_ceiling_model(model: str):
     from encode_server.models import load_adapter
 
-    torch.set_num_threads(1)
     return load_adapter(model, "cpu", "float32")
 
 

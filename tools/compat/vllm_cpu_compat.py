@@ -32,7 +32,6 @@ after which the server holds no pin and no held byte. Not run by CI (the install
 from __future__ import annotations
 
 import argparse
-import base64
 import concurrent.futures
 import ctypes
 import io
@@ -48,14 +47,9 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-RESULTS: list[tuple[str, bool, str]] = []
+from tools.compat.common import RESULTS, b64, data_url, native, png, record  # noqa: E402
+
 CONSUMER_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
-
-
-def record(step: str, ok: bool, detail: str = "") -> bool:
-    RESULTS.append((step, ok, detail))
-    print(f"[{'ok' if ok else 'FAIL'}] {step}{': ' + detail if detail else ''}", flush=True)
-    return ok
 
 
 def cpu_stand_ins() -> None:
@@ -165,30 +159,6 @@ class VllmConsumer:
         for worker in self.workers:
             worker.shutdown()
 
-
-def png(width: int, height: int, seed: int) -> bytes:
-    from tests.support.helpers import png_bytes
-
-    return png_bytes(width, height, seed)
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def native(server, modality: str, item):
-    import httpx
-    import torch
-
-    from tests.support.helpers import decode_embedding
-
-    answer = httpx.post(f"{server.url}/encode", json={"req_id": "native", "modality": modality, "mm_items": [item],
-                                                      "return_embedding": True}, timeout=120).json()
-    return torch.from_numpy(decode_embedding(answer).copy())
 
 
 def encoder_request(server, parts: list[dict]):

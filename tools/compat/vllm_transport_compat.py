@@ -32,7 +32,6 @@ nothing). Not run by CI (the install is several GB).
 from __future__ import annotations
 
 import argparse
-import base64
 import concurrent.futures
 import json
 import os
@@ -46,13 +45,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-RESULTS: list[tuple[str, bool, str]] = []
-
-
-def record(step: str, ok: bool, detail: str = "") -> bool:
-    RESULTS.append((step, ok, detail))
-    print(f"[{'ok' if ok else 'FAIL'}] {step}{': ' + detail if detail else ''}", flush=True)
-    return ok
+from tools.compat.common import RESULTS, b64, data_url, native, png, record  # noqa: E402
 
 
 def free_port_pair(count: int) -> int:
@@ -179,27 +172,6 @@ class VllmConsumer:
             worker.shutdown()
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    from tests.support.helpers import png_bytes
-
-    return png_bytes(width, height, seed)
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def native(server, modality: str, item) -> object:
-    import httpx
-    import torch
-
-    from tests.support.helpers import decode_embedding
-
-    answer = httpx.post(f"{server.url}/encode", json={"req_id": "native", "modality": modality, "mm_items": [item],
-                                                      "return_embedding": True}, timeout=120).json()
-    return torch.from_numpy(decode_embedding(answer).copy())
-
-
 def encoder_request(server, consumer: VllmConsumer, parts: list[dict], ids: list[str] | None = None,
                     request_id: str | None = None):
     import httpx
@@ -276,7 +248,6 @@ def run(args) -> None:
     try:
         with server:
             first, second = png(64, 48, 1), png(40, 56, 2)
-            b64 = lambda data: base64.b64encode(data).decode()  # noqa: E731
             parts = [{"type": "image_url", "image_url": {"url": data_url(first, "image/png")}},
                      {"type": "image_url", "image_url": {"url": data_url(second, "image/png")}},
                      {"type": "image_url", "image_url": {"url": data_url(first, "image/png")}}]
@@ -389,9 +360,9 @@ def audio_case(args, config: str) -> None:
                 audio = decode_vllm_audio(clip, 16000, 60.0, "x", resampler)
             finally:
                 resampler.close()
-            rows = native(server, "audio", base64.b64encode(audio.wav()).decode())
+            rows = native(server, "audio", b64(audio.wav()))
             items = check_case(server, consumer, "an audio clip (tiny-qwen2-audio)", [{
-                "type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}}],
+                "type": "input_audio", "input_audio": {"data": b64(clip), "format": "wav"}}],
                 ["audio"], [rows])
             if items:
                 consumer.finish("audio", items)
