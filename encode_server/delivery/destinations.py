@@ -16,6 +16,7 @@ docs/CONTRACT.md section 3); moving frames is `delivery.sockets.EmbeddingSender`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -49,16 +50,85 @@ class _Registration:
     created: float
     urls: list[str] = field(default_factory=list)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
-    parked: dict[int, tuple[Frames, int]] = field(default_factory=dict)  # part_idx -> (frames, bytes)
     failure: Frames | None = None  # the failure message every later registrant gets at once
     expiry: asyncio.TimerHandle | None = None
     waiting: int = 0  # deliveries waiting for the receivers to complete
 
-    @property
-    def empty(self) -> bool:
-        """Nobody registered or waiting, nothing parked, no failure to tell: nothing worth remembering."""
-        return (not self.urls and not self.parked and self.failure is None and self.count is None
-                and not self.waiting)
+
+class ParkedParts:
+    """Messages nobody registered for yet, by `req_id` and part, each kept `ttl_s` (at most `SWEEP_SLACK_S`
+    longer) within a budget of bytes.
+
+    Under a steady flow of requests that no receiver registers for (a client that reads the rows from the
+    response), every answer parks one: so a park is a dict entry and a place in one queue, with one timer
+    for all of them, not objects and a timer of its own (thousands of which would outlive the young
+    generation and make the garbage collector's every pass longer). The TTL is the same for every part, so
+    the queue is in order of expiry."""
+
+    #: One sweep drops every part expired by then; the next is at least this much later.
+    SWEEP_SLACK_S = 0.1
+
+    def __init__(self, ttl_s: float, max_bytes: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._by_req: dict[str, dict[int, tuple[Frames, int]]] = {}
+        self._order: collections.deque[tuple[float, str, int, tuple[Frames, int]]] = collections.deque()
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def add(self, req_id: str, part_idx: int, frames: Frames) -> bool:
+        """Keep a copy of `frames` (a view would keep the whole batch's rows alive); False when over budget."""
+        nbytes = sum(len(frame) for frame in frames)
+        if self.bytes + nbytes > self.max_bytes:
+            return False
+        kept = ([bytes(frame) for frame in frames], nbytes)
+        parts = self._by_req.get(req_id)
+        if parts is None:
+            parts = self._by_req[req_id] = {}
+        replaced = parts.get(part_idx)
+        if replaced is not None:
+            self.bytes -= replaced[1]
+        parts[part_idx] = kept
+        self.bytes += nbytes
+        loop = asyncio.get_running_loop()
+        self._order.append((loop.time() + self.ttl_s, req_id, part_idx, kept))
+        if self._sweep is None:
+            self._sweep = loop.call_at(self._order[0][0], self._expire)
+        return True
+
+    def take(self, req_id: str) -> list[Frames]:
+        """Every part kept for `req_id`, given up."""
+        parts = self._by_req.pop(req_id, None)
+        if not parts:
+            return []
+        self.bytes -= sum(nbytes for _, nbytes in parts.values())
+        return [frames for frames, _ in parts.values()]
+
+    def _expire(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._order and self._order[0][0] <= now:
+            _, req_id, part_idx, kept = self._order.popleft()
+            parts = self._by_req.get(req_id)
+            if parts is not None and parts.get(part_idx) is kept:  # not taken or replaced meanwhile
+                del parts[part_idx]
+                self.bytes -= kept[1]
+                if not parts:
+                    del self._by_req[req_id]
+        self._sweep = (loop.call_at(max(self._order[0][0], now + self.SWEEP_SLACK_S), self._expire)
+                       if self._order else None)
+
+    def req_ids(self) -> set[str]:
+        return set(self._by_req)
+
+    def __len__(self) -> int:
+        """How many parts are kept."""
+        return sum(len(parts) for parts in self._by_req.values())
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
 
 
 class Registrations:
@@ -68,9 +138,7 @@ class Registrations:
                  max_parked_bytes: int = 256 << 20) -> None:
         self.sender = sender
         self.ttl_s = ttl_s  # how long a registration is remembered
-        self.park_ttl_s = ttl_s if park_ttl_s is None else park_ttl_s  # how long an unclaimed embedding is kept
-        self.max_parked_bytes = max_parked_bytes
-        self.parked_bytes = 0
+        self._parked = ParkedParts(ttl_s if park_ttl_s is None else park_ttl_s, max_parked_bytes)
         self._by_req: dict[str, _Registration] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -84,11 +152,6 @@ class Registrations:
     def _expire(self, req_id: str, entry: _Registration) -> None:
         if self._by_req.get(req_id) is entry:
             del self._by_req[req_id]
-            self._unpark(entry)
-
-    def _unpark(self, entry: _Registration) -> None:
-        self.parked_bytes -= sum(nbytes for _, nbytes in entry.parked.values())
-        entry.parked.clear()
 
     def register(self, req_id: str, url: str, count: int) -> int:
         """Add a receiver; returns how many distinct ones are registered. ValueError on a count clash."""
@@ -103,9 +166,8 @@ class Registrations:
                 self._background(self._deliver_failure(req_id, url, entry.failure))
         if len(entry.urls) >= entry.count and not entry.complete.is_set():
             entry.complete.set()
-            for frames, _ in entry.parked.values():
+            for frames in self._parked.take(req_id):
                 self._background(self._deliver_parked(req_id, entry, frames))
-            self._unpark(entry)
         return len(entry.urls)
 
     def _background(self, coroutine) -> None:
@@ -149,37 +211,20 @@ class Registrations:
         return list(entry.urls)
 
     def park(self, req_id: str, part_idx: int, frames: Frames) -> None:
-        """Keep a message nobody registered for yet, until registrations complete or `park_ttl_s` passes.
-
-        The frames are copied: a view would keep the whole batch's rows alive while parked."""
-        nbytes = sum(len(frame) for frame in frames)
-        if self.parked_bytes + nbytes > self.max_parked_bytes:
-            log.warning("not keeping %s for late registration: %d bytes already parked", req_id, self.parked_bytes)
-            return
-        entry = self._entry(req_id, count=None)
-        entry.parked[part_idx] = ([bytes(frame) for frame in frames], nbytes)
-        self.parked_bytes += nbytes
-        asyncio.get_running_loop().call_later(self.park_ttl_s, self._drop_parked, req_id, entry, part_idx)
-
-    def _drop_parked(self, req_id: str, entry: _Registration, part_idx: int) -> None:
-        parked = entry.parked.pop(part_idx, None)
-        if parked is not None:
-            self.parked_bytes -= parked[1]
-        # An entry made only to park this embedding goes with it, not at the registration TTL: under a
-        # steady flow of requests nobody registers for, those entries would otherwise pile up for minutes.
-        if entry.empty and self._by_req.get(req_id) is entry:
-            del self._by_req[req_id]
-            entry.expiry.cancel()
+        """Keep a message nobody registered for yet, until registrations complete or the park TTL passes."""
+        if not self._parked.add(req_id, part_idx, frames):
+            log.warning("not keeping %s for late registration: %d bytes already parked", req_id, self._parked.bytes)
 
     def __len__(self) -> int:
         """How many `req_id`s are remembered (registered, waited for, parked or failed)."""
-        return len(self._by_req)
+        return len(self._by_req.keys() | self._parked.req_ids())
 
     def parked(self) -> tuple[int, int]:
         """(bytes, embeddings) parked now, for the metrics."""
-        return self.parked_bytes, sum(len(entry.parked) for entry in self._by_req.values())
+        return self._parked.bytes, len(self._parked)
 
     async def close(self) -> None:
+        self._parked.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

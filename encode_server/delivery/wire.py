@@ -8,9 +8,10 @@ followed by k deepstack blocks of the same width; the key is absent (k = 0) for 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from encode_server.models.dtypes import PAYLOAD_DTYPES
 
@@ -47,7 +48,7 @@ class Header:
         }
         if self.deepstack > 0:
             header["deepstack"] = self.deepstack
-        return json.dumps(header, separators=(",", ":")).encode("utf-8")
+        return orjson.dumps(header)
 
     @property
     def payload_bytes(self) -> int:
@@ -59,8 +60,8 @@ class Header:
 def decode_header(frame: bytes) -> Header:
     """Parse and check frame 0."""
     try:
-        data = json.loads(bytes(frame).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        data = orjson.loads(frame)
+    except orjson.JSONDecodeError as exc:
         raise WireError(f"header is not UTF-8 JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("v") != WIRE_VERSION:
         raise WireError(f"unsupported header version {data.get('v') if isinstance(data, dict) else data!r}")
