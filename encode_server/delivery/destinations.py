@@ -72,8 +72,9 @@ class ParkedParts:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._by_req: dict[str, dict[int, tuple[Frames, int]]] = {}
-        self._order: collections.deque[tuple[float, str, int, tuple[Frames, int]]] = collections.deque()
+        # Tuples of bytes and numbers only, which the collector stops tracking after their first pass.
+        self._by_req: dict[str, dict[int, tuple[tuple[bytes, ...], int]]] = {}
+        self._order: collections.deque[tuple[float, str, int, tuple[tuple[bytes, ...], int]]] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
 
     def add(self, req_id: str, part_idx: int, frames: Frames) -> bool:
@@ -81,7 +82,7 @@ class ParkedParts:
         nbytes = sum(len(frame) for frame in frames)
         if self.bytes + nbytes > self.max_bytes:
             return False
-        kept = ([bytes(frame) for frame in frames], nbytes)
+        kept = (tuple(bytes(frame) for frame in frames), nbytes)
         parts = self._by_req.get(req_id)
         if parts is None:
             parts = self._by_req[req_id] = {}
@@ -102,7 +103,7 @@ class ParkedParts:
         if not parts:
             return []
         self.bytes -= sum(nbytes for _, nbytes in parts.values())
-        return [frames for frames, _ in parts.values()]
+        return [list(frames) for frames, _ in parts.values()]
 
     def _expire(self) -> None:
         loop = asyncio.get_running_loop()

@@ -5,8 +5,11 @@ garbage collections run (glibc parts are no-ops elsewhere).
   would leave the process larger for good: `limit_arenas(n)` caps the arenas at start-up
   (`mallopt(M_ARENA_MAX)`) and `trim()` returns free pages to the system (`malloc_trim(0)`).
 - A full (generation 2) collection holds the GIL for tens of milliseconds with thousands of requests in
-  flight: `defer_full_collections()` leaves young collections automatic and the full ones to the
-  `Housekeeper`.
+  flight: `tune_collections()` leaves the full ones to the `Housekeeper`, and lets young collections wait
+  for `YOUNG_THRESHOLD` net allocations instead of CPython's 700. The requests in flight allocate and free
+  thousands of objects as they come and go; at 700 every swing of that working set started a young
+  collection that found it alive and moved it on to the middle generation, to be walked again there
+  (about 2% of a pinned core's time at 1,000 small requests a second, against 0.2% at 10,000).
 
 The `Housekeeper` thread runs both chores (a full collection, then a trim: each stalls other threads
 while it runs) when the server has gone idle after some work, and under unbroken load every
@@ -30,6 +33,8 @@ _M_ARENA_MAX = -8  # from glibc's malloc.h
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: Generation-2 threshold that keeps CPython from starting full collections on its own.
 _NEVER = 1_000_000_000
+#: Net allocations of tracked objects that start a young collection (CPython's default: 700).
+YOUNG_THRESHOLD = 10_000
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -81,10 +86,11 @@ def trim() -> int:
     return max(0, before - resident_bytes())
 
 
-def defer_full_collections() -> None:
-    """Young generations stay automatic; full collections are left to the `Housekeeper`."""
+def tune_collections() -> None:
+    """Young collections after `YOUNG_THRESHOLD` allocations (or the higher threshold already set), middle ones
+    as CPython does, full collections left to the `Housekeeper`."""
     young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, _NEVER)
+    gc.set_threshold(max(young, YOUNG_THRESHOLD), middle, _NEVER)
 
 
 class Housekeeper:
@@ -109,7 +115,7 @@ class Housekeeper:
         """Start (False when the interval is 0: nothing is deferred then)."""
         if self.interval_s <= 0:
             return False
-        defer_full_collections()
+        tune_collections()
         self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
         self._thread.start()
         return True

@@ -47,12 +47,16 @@ def test_limit_arenas_applies_on_glibc_and_zero_leaves_the_default():
     assert memory.limit_arenas(8) is True  # 8 is harmless for the test process
 
 
-def test_full_collections_are_deferred_and_young_ones_stay_automatic():
+def test_full_collections_are_deferred_and_young_ones_wait_for_the_working_set_of_requests():
     saved = gc.get_threshold()
     try:
-        memory.defer_full_collections()
+        gc.set_threshold(700, 10, 10)
+        memory.tune_collections()
+        assert gc.get_threshold() == (memory.YOUNG_THRESHOLD, 10, memory._NEVER)
+        gc.set_threshold(50_000, 10, 10)
+        memory.tune_collections()  # a higher young threshold set before is kept
         young, middle, full = gc.get_threshold()
-        assert (young, middle) == saved[:2] and full >= 10**9
+        assert (young, middle) == (50_000, 10) and full >= 10**9
     finally:
         gc.set_threshold(*saved)
 
