@@ -300,7 +300,8 @@ class EncoderService:
         part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
         transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
                                                  awaits_registrations(request))
-        part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
+        if transfer_s:  # 0.0: nothing was sent (parked for receivers that register later, or returned inline)
+            part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
         return part, await encode_response(meta, part, request.return_embedding, self.metrics,
                                            self.adapter.info.deepstack_of(meta.modality))
 

@@ -74,6 +74,7 @@ class Admission:
         self.draining = False
         self._in_flight: set[tuple[str, int]] = set()
         self._drained = asyncio.Event()
+        self.metrics.pending.set_function(lambda: len(self._in_flight))  # read at each scrape
 
     @property
     def pending(self) -> int:
@@ -146,14 +147,12 @@ class Admission:
         timeout = min(request.timeout_s or self.settings.req_timeout_s, self.settings.req_timeout_s)
         ticket = Ticket(started=self.clock.now(), timeout_s=timeout)
         self._in_flight.add(key)
-        self.metrics.pending.set(len(self._in_flight))
         try:
             yield ticket
         finally:
             self._in_flight.discard(key)
             if self.draining and not self._in_flight:
                 self._drained.set()
-            self.metrics.pending.set(len(self._in_flight))
             self.metrics.requests_total.labels(request.modality, ticket.status).inc()
             elapsed = self.clock.now() - ticket.started
             self.metrics.request_duration.labels(request.modality, str(request.priority)).observe(elapsed)
