@@ -84,6 +84,12 @@ class Timings:
     encode: float = 0.0
     transfer: float = 0.0
 
+    def with_queue(self, queue_ms: float) -> Timings:
+        return Timings(queue_ms, self.preprocess, self.encode, self.transfer)
+
+    def with_transfer(self, transfer_ms: float) -> Timings:
+        return Timings(self.queue, self.preprocess, self.encode, transfer_ms)
+
     def as_json(self) -> dict[str, float]:
         return {"queue": self.queue, "preprocess": self.preprocess, "encode": self.encode,
                 "transfer": self.transfer}
@@ -101,6 +107,11 @@ class EncodedPart:
     # per item: which tier served it ("local": this server's cache, "store": the shared Mooncake Store tier),
     # None where it was encoded; empty when the cache was not asked
     cache_tiers: tuple[str | None, ...] = ()
+
+    def with_timings(self, timings: Timings) -> EncodedPart:
+        """This part with `timings`: `dataclasses.replace` without its per-call look at the fields (it runs for
+        every request)."""
+        return EncodedPart(self.embedding, self.layouts, self.batch_size, timings, self.cached, self.cache_tiers)
 
     def items_json(self) -> list[dict[str, Any]]:
         """The response's and the wire header's `items`: each layout, `cached` when the cache was asked, and

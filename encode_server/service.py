@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextvars
-import dataclasses
 import logging
 import os
 import time
@@ -301,7 +300,7 @@ class EncoderService:
         transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
                                                  awaits_registrations(request))
         if transfer_s:  # 0.0: nothing was sent (parked for receivers that register later, or returned inline)
-            part = dataclasses.replace(part, timings=dataclasses.replace(part.timings, transfer=transfer_s * 1e3))
+            part = part.with_timings(part.timings.with_transfer(transfer_s * 1e3))
         return part, await encode_response(meta, part, request.return_embedding, self.metrics,
                                            self.adapter.info.deepstack_of(meta.modality))
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -354,8 +353,7 @@ class EncoderScheduler:
                     _fail(pending, result)
                 elif not pending.future.done():
                     queue_ms = (dispatched_at - pending.submit_time) * 1e3
-                    pending.future.set_result(
-                        dataclasses.replace(result, timings=dataclasses.replace(result.timings, queue=queue_ms)))
+                    pending.future.set_result(result.with_timings(result.timings.with_queue(queue_ms)))
         except BaseException as exc:  # never leave a caller waiting
             for pending in batch:
                 _fail(pending, EncodeError(500, f"batch failed: {exc}", pending.job.req_id))
