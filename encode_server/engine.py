@@ -38,6 +38,7 @@ import torch
 
 from encode_server.models import EncoderAdapter, ItemLayout, PreparedBatch
 from encode_server.ops.metrics import ServerMetrics
+from encode_server.ops.thread_names import name_os_thread
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
 
 log = logging.getLogger("encode_server.engine")
@@ -79,8 +80,9 @@ class EncoderEngine:
         self.preprocessor = preprocessor  # a preprocess_pool.PreprocessPool, or None: preprocess in a thread here
         # id(job) -> (job, its pool submission): the job is kept so its id cannot be reused while listed
         self._prefetched: dict[int, tuple[EncodeJob, concurrent.futures.Future]] = {}
-        self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess")
-        self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward")
+        self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess",
+                                                   initializer=name_os_thread)
+        self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward", initializer=name_os_thread)
 
     @property
     def can_prefetch(self) -> bool:

@@ -6,6 +6,11 @@
 - service: `encode-server` started on core 0 alone (`--cpu-threads 1`, and any `--server-flag`s), the
   load generator on core 1, a closed loop at `--concurrency` with one image per request.
 
+With `--thread-cpu`, each service round also prints the server's CPU per request by thread (from
+`/proc/<pid>/task`, the threads' OS-level names; Linux), which says where a request's time goes without a
+profiler's own cost: `MainThread` is the HTTP event loop, `encoder-forward` the forward, `encoder-preproc` the
+processor, `encoder-schedul` the scheduler's loop, `media-decode_N` the decode threads.
+
 The two alternate for `--rounds` rounds against one server (a shared machine drifts between minutes, and a
 ratio of two figures taken minutes apart would carry the drift); each round's ratio service / ceiling says
 what the per-request path costs, and the median and spread of the rounds are printed. Needs two cores.
@@ -92,6 +97,29 @@ def service_run(url: str, payloads: list[str], concurrency: int, requests: int, 
     return {**result.as_dict(), "mode": "service"}
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of process `pid` has used, by its OS-level name (threads of one name summed)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                name = comm.read().strip()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        name = "MainThread" if int(tid) == pid else name
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return used
+
+
+def per_request_ms(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
+    """Each thread's CPU milliseconds per request between two `thread_cpu_s` readings, busiest first."""
+    spent = {name: (after[name] - before.get(name, 0.0)) * 1e3 / max(1, requests) for name in after}
+    return dict(sorted(((name, round(ms, 3)) for name, ms in spent.items() if ms > 0), key=lambda kv: -kv[1]))
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
@@ -108,6 +136,8 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=3000, help="requests in each round's service run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-flag", action="append", default=[], help="extra server flag (repeatable)")
+    parser.add_argument("--thread-cpu", action="store_true",
+                        help="print the server's CPU per request by thread in each service round (Linux)")
     args = parser.parse_args(argv)
     payloads = make_payloads("image", 32, args.image_size)
     adapter = load_ceiling_model(args.model)
@@ -116,7 +146,12 @@ def main(argv=None) -> None:
     with pinned_server(0, None, "--model", args.model, "--max-batch-size", "32", "--cache-bytes", "0",
                        *args.server_flag) as server:
         for round_ in range(1, args.rounds + 1):
+            before = thread_cpu_s(server.proc.pid) if args.thread_cpu else {}
             run = service_run(server.url, payloads, args.concurrency, args.requests, 1)
+            if args.thread_cpu:
+                by_thread = per_request_ms(before, thread_cpu_s(server.proc.pid), run["requests"])
+                print(json.dumps({"round": round_, "server_cpu_ms_per_request": round(sum(by_thread.values()), 3),
+                                  "by_thread": by_thread}), flush=True)
             top = ceiling(adapter, payloads, args.batch_size, args.seconds, 0)
             print(json.dumps({"round": round_, **run}), flush=True)
             print(json.dumps({"round": round_, **top}), flush=True)

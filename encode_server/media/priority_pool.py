@@ -16,6 +16,8 @@ import itertools
 import threading
 from concurrent.futures import Executor, Future
 
+from encode_server.ops.thread_names import name_os_thread
+
 #: The priority of the request whose work is being submitted (set per request task).
 CURRENT_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("encode_priority", default=0)
 
@@ -43,6 +45,7 @@ class PriorityThreadPool(Executor):
         return future
 
     def _work(self) -> None:
+        name_os_thread()
         while True:
             with self._ready:
                 while not self._heap and not self._closed:

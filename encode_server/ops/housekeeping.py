@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from encode_server.ops.thread_names import name_os_thread
+
 log = logging.getLogger("encode_server.ops.housekeeping")
 
 _M_ARENA_MAX = -8  # from glibc's malloc.h
@@ -121,6 +123,7 @@ class Housekeeper:
         return True
 
     def _run(self) -> None:
+        name_os_thread()
         last_run = time.monotonic()
         last_rss = self._resident()
         worked = True  # start-up itself left garbage behind

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from encode_server.ops.thread_names import name_os_thread
 from encode_server.records import EncodedPart, EncodeError, EncodeJob
 from encode_server.scheduling.mailbox import Mailbox
 from encode_server.scheduling.scheduler import EncoderScheduler
@@ -51,6 +52,7 @@ class SchedulerThread:
         self.scheduler.use_mailbox(self._inbox)
 
     def _serve(self, ready: concurrent.futures.Future) -> None:
+        name_os_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(ready.set_result, None)
         try:

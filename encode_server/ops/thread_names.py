@@ -1,0 +1,37 @@
+"""The OS-level name of a thread: its Python name, where `top -H`, `ps -L`, py-spy, perf and `/proc/<pid>/task`
+can see it (CPython before 3.14 leaves every thread named after the process).
+
+`name_os_thread()` runs in the thread to name (the initializer of a pool, the first line of a thread's
+target). Linux keeps 15 bytes of a name, so the end of a long one is cut (`encoder-preprocess_0` shows as
+`encoder-preproc`). Elsewhere, or when the call fails, nothing happens: a name is never worth an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+import threading
+
+_PR_SET_NAME = 15  # from linux/prctl.h
+_NAME_BYTES = 15
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def name_os_thread(name: str | None = None) -> bool:
+    """Name the calling OS thread `name` (by default its Python thread's name); True when it took."""
+    if _LIBC is None:
+        return False
+    raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:_NAME_BYTES]
+    return _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0
