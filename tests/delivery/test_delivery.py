@@ -314,7 +314,11 @@ def test_sglang_frames_fail_every_waiter_at_once_until_a_native_message_arrives(
     with EmbeddingReceiver() as receiver:
         push(receiver.port, [header("early"), np.ones((2, 3), "<f4").tobytes()])
         assert receiver.get("early", timeout=5) is not None  # claimed before the foreign frames
-        push(receiver.port, [header("whole"), np.ones((2, 3), "<f4").tobytes()])
+        # One connection from here on: messages of separate connections may arrive in either order, and "whole"
+        # arriving after the foreign frames would be the native message that ends the mismatch.
+        sender = zmq.Context.instance().socket(zmq.PUSH)
+        sender.connect(f"tcp://127.0.0.1:{receiver.port}")
+        sender.send_multipart([header("whole"), np.ones((2, 3), "<f4").tobytes()])
         outcome: dict = {}
 
         def wait() -> None:
@@ -327,7 +331,7 @@ def test_sglang_frames_fail_every_waiter_at_once_until_a_native_message_arrives(
         waiter = threading.Thread(target=wait)
         waiter.start()
         time.sleep(0.2)
-        push(receiver.port, sglang_message("pending"))
+        sender.send_multipart(sglang_message("pending"))
         waiter.join(timeout=10)
         error = outcome["error"]
         assert isinstance(error, WireFormatMismatch) and outcome["after_s"] < 5
@@ -335,11 +339,15 @@ def test_sglang_frames_fail_every_waiter_at_once_until_a_native_message_arrives(
         with pytest.raises(WireFormatMismatch):  # a later get fails too, at once
             receiver.get("later", timeout=30)
         assert receiver.get("whole", timeout=1).tensor.sum().item() == 6.0  # received before: still handed out
-        push(receiver.port, sglang_message("failed", failed=True))  # SGLang's one-frame failure message
+        sender.send_multipart(sglang_message("failed", failed=True))  # SGLang's one-frame failure message
         with pytest.raises(WireFormatMismatch):
             asyncio.run(receiver.aget("later", timeout=30))
+        deadline = time.monotonic() + 5
+        while receiver.foreign_messages < 2 and time.monotonic() < deadline:  # it may still be on its way
+            time.sleep(0.01)
         assert receiver.foreign_messages == 2 and "--wire-format native" in receiver.mismatch
-        push(receiver.port, [header("native"), np.zeros((2, 3), "<f4").tobytes()])
+        sender.send_multipart([header("native"), np.zeros((2, 3), "<f4").tobytes()])
+        sender.close(linger=2000)
         deadline = time.monotonic() + 5
         while receiver.mismatch is not None and time.monotonic() < deadline:
             time.sleep(0.01)
