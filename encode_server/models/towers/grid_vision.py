@@ -31,6 +31,7 @@ from encode_server.models.base import EncoderAdapter, ItemError, ItemLayout, Mod
 from encode_server.models.inputs.video_clip import clip_timestamps
 from encode_server.models.inputs.video_patches import VideoPatcher
 from encode_server.models.layers import aligned_mlp
+from encode_server.models.layers.grid_indices import grid_arguments
 from encode_server.models.layers.packed_attention import use_packed_attention
 from encode_server.models.layers.patch_embed import ItemPixelsForward, patches_as_matmul
 
@@ -159,8 +160,9 @@ def qwen_image_size_of(image_processor: Any) -> ImageSize:
 
 
 def run_qwen_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
-    """The rows of a Qwen2-VL or Qwen2.5-VL tower: its merger's output."""
-    return tower(pixels, grid_thw=grid).pooler_output
+    """The rows of a Qwen2-VL or Qwen2.5-VL tower: its merger's output (with its index tensors computed once
+    per grid, `layers/grid_indices.py`)."""
+    return tower(pixels, grid_thw=grid, **grid_arguments(tower, grid)).pooler_output
 
 
 def deepstack_count(vision_config: Any) -> int:
