@@ -19,7 +19,6 @@ while it runs) when the server has gone idle after some work, and under unbroken
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -27,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from encode_server.ops.libc import libc
 from encode_server.ops.thread_names import name_os_thread
 
 log = logging.getLogger("encode_server.ops.housekeeping")
@@ -41,15 +41,14 @@ YOUNG_THRESHOLD = 10_000
 
 def _glibc() -> ctypes.CDLL | None:
     """The C library when it is glibc (it has `malloc_trim`), else None."""
-    name = ctypes.util.find_library("c")
-    if not name:
+    lib = libc()
+    if lib is None:
         return None
     try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
+        lib.malloc_trim.argtypes = [ctypes.c_size_t]
+        lib.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        return lib
+    except AttributeError:
         return None
 
 

@@ -9,29 +9,19 @@ target). Linux keeps 15 bytes of a name, so the end of a long one is cut (`encod
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
+
+from encode_server.ops.libc import libc
 
 _PR_SET_NAME = 15  # from linux/prctl.h
 _NAME_BYTES = 15
 
 
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
 def name_os_thread(name: str | None = None) -> bool:
     """Name the calling OS thread `name` (by default its Python thread's name); True when it took."""
-    if _LIBC is None:
+    lib = libc() if sys.platform.startswith("linux") else None
+    if lib is None:
         return False
     raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:_NAME_BYTES]
-    return _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0
+    return lib.prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0

@@ -17,7 +17,6 @@ The worker dies with rank 0 (PR_SET_PDEATHSIG), so no rank outlives the server.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import signal
@@ -28,6 +27,7 @@ import zmq
 
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes, decode_frames
 from encode_server.models import load_adapter
+from encode_server.ops.libc import libc
 from encode_server.ops.logs import configure_logging, route_library_logs
 from encode_server.ops.settings import Settings
 from encode_server.parallel.channel import pack_result, unpack_batch
@@ -37,10 +37,9 @@ log = logging.getLogger("encode_server.parallel.worker")
 
 def die_with_parent() -> None:
     """Ask Linux to send SIGTERM to this process when rank 0 exits (a no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    lib = libc() if sys.platform.startswith("linux") else None
+    if lib is not None:
+        lib.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def prepare(adapter, limits: MediaLimits, modality: str, raw_items: list):
