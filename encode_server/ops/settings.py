@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import encode_server
+from encode_server.ops.cores import usable_cores
 from encode_server.ops.libraries import installed, missing_message
 from encode_server.ops.logs import LOG_FORMATS
 from encode_server.ops.memory import parse_byte_size, parse_cache_bytes
@@ -489,10 +490,11 @@ class Settings:
         return self.max_wait_ms == AUTO_WAIT
 
     def cpu_threads_per_rank(self, ranks: int) -> int:
-        """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or half
-        the cores by default: the rest is for the event loop, decoding and the processor, which OpenMP threads
-        spinning between ops would starve."""
-        threads = self.cpu_threads or max(1, (os.cpu_count() or 2) // 2)
+        """torch intra-op threads for each of `ranks` processes sharing the CPU: `--cpu-threads`, or by default
+        half the cores this process may use (its affinity, within a container's quota: `ops/cores.py`): the rest
+        is for the event loop, decoding and the processor, which OpenMP threads spinning between ops would
+        starve."""
+        threads = self.cpu_threads or max(1, usable_cores() // 2)
         return max(1, threads // ranks)
 
     def public_dict(self) -> dict[str, Any]:

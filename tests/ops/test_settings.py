@@ -89,3 +89,15 @@ def test_readme_lists_every_setting():
     readme = (ROOT / "docs" / "CONFIGURATION.md").read_text()
     assert settings_table_markdown() in readme, \
         "regenerate the table in docs/CONFIGURATION.md: python -m encode_server.ops.settings"
+
+
+def test_the_default_cpu_threads_are_half_the_cores_this_process_may_use(monkeypatch):
+    """Half of what `ops/cores.usable_cores` says (affinity within a container's quota), not of the host's cores:
+    in a 2-CPU container on a 64-core host, 32 OpenMP threads would starve everything else."""
+    from encode_server.ops import settings as settings_module
+
+    monkeypatch.setattr(settings_module, "usable_cores", lambda: 8)
+    assert Settings().cpu_threads_per_rank(1) == 4 and Settings().cpu_threads_per_rank(2) == 2
+    monkeypatch.setattr(settings_module, "usable_cores", lambda: 1)
+    assert Settings().cpu_threads_per_rank(1) == 1
+    assert Settings(cpu_threads=6).cpu_threads_per_rank(2) == 3  # --cpu-threads wins
