@@ -4,7 +4,6 @@ when asked for, the embedding as base64 of its raw little-endian bytes."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any
 
@@ -50,7 +49,7 @@ async def encode_response(meta: PartMeta, part: EncodedPart, return_embedding: b
         else:
             response["embedding"] = b64_embedding(embedding)
         inline_s = time.perf_counter() - started
-        timings = dataclasses.replace(timings, transfer=timings.transfer + inline_s * 1e3)
+        timings = timings.with_transfer(timings.transfer + inline_s * 1e3)
         metrics.transfer.labels(meta.modality).observe(inline_s)
         metrics.bytes_sent.inc(nbytes)
     response["timings_ms"] = timings.as_json()
