@@ -210,7 +210,7 @@ class NixlBlockPool:
             offset = ids[start] * size
             length = (end - start) * size
             take = min(length, flat.numel() - done)
-            if take > 0:  # torch's copy: faster than numpy's for megabytes
+            if take > 0:  # numpy's copy: torch's `copy_` here made a 1 MiB put+read about 8x slower, end to end
                 self._bytes[offset:offset + take] = flat[done:done + take].numpy()
             if take < length:
                 self._tensor[offset + max(take, 0):offset + length].zero_()
