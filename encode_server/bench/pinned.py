@@ -99,18 +99,18 @@ def service_run(url: str, payloads: list[str], concurrency: int, requests: int, 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds each thread of process `pid` has used, by its OS-level name (threads of one name summed)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    from encode_server.ops.memory import cpu_seconds
+
     used: dict[str, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-                name = comm.read().strip()
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+                name = "MainThread" if int(tid) == pid else comm.read().strip()
+        except OSError:  # the thread ended meanwhile
             continue
-        name = "MainThread" if int(tid) == pid else name
-        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        spent = cpu_seconds(pid, tid)
+        if spent is not None:
+            used[name] = used.get(name, 0.0) + spent
     return used
 
 

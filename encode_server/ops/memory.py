@@ -82,10 +82,12 @@ def resident_bytes(pid: int | str = "self") -> int | None:
     return None
 
 
-def cpu_seconds(pid: int | str = "self") -> float | None:
-    """A process's user plus system CPU time so far (Linux `/proc`), or None where that cannot be read."""
+def cpu_seconds(pid: int | str = "self", tid: int | str | None = None) -> float | None:
+    """A process's user plus system CPU time so far, or with `tid` one of its threads' (Linux `/proc`); None
+    where that cannot be read (or the thread has ended)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        fields = Path(path).read_text().rpartition(")")[2].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
