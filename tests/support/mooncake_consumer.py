@@ -41,11 +41,11 @@ class Reservation:
 class Rank:
     """One consumer rank: a landing pool registered with its own TransferEngine, and a REP control socket."""
 
-    def __init__(self, consumer: ConsumerStandIn, port: int, pool_bytes: int) -> None:
+    def __init__(self, consumer: ConsumerStandIn, port: int | None, pool_bytes: int) -> None:
         from mooncake.engine import TransferEngine
 
         self.consumer = consumer
-        self.port = port
+        self.port = port  # None: a port the system picks when the rank binds
         self.engine = TransferEngine()
         assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         self.pool = torch.zeros(pool_bytes, dtype=torch.uint8)
@@ -144,7 +144,10 @@ class Rank:
         socket = context.socket(zmq.REP)
         socket.setsockopt(zmq.RCVTIMEO, 50)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(f"tcp://127.0.0.1:{self.port}")
+        if self.port is None:
+            self.port = socket.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            socket.bind(f"tcp://127.0.0.1:{self.port}")
         bound.set()
         try:
             while not stop.is_set():
@@ -168,7 +171,9 @@ class Rank:
 
 
 class ConsumerStandIn:
-    """`ranks` consumer ranks on consecutive loopback ports from `port`; a context manager."""
+    """`ranks` consumer ranks on loopback, a context manager: rank 0 (the control address the producer is given)
+    on `port`, the others on ports the system picks as they bind (`peers` names them all). Not `port + 1`:
+    another test worker may hold it, as a loaded run once found."""
 
     def __init__(self, port: int, ranks: int = 1, pool_bytes: int = 64 << 20, ttl_s: float = 300.0,
                  die_after_reserve: bool = False) -> None:
@@ -177,7 +182,7 @@ class ConsumerStandIn:
         self.die_after_reserve = die_after_reserve
         self.requests: list[str] = []
         self.cancels: list[str] = []
-        self.ranks = [Rank(self, port + index, pool_bytes) for index in range(ranks)]
+        self.ranks = [Rank(self, port if index == 0 else None, pool_bytes) for index in range(ranks)]
         self.address = f"tcp://127.0.0.1:{port}"
         self._context = zmq.Context()
         self._stop = threading.Event()
