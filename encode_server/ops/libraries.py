@@ -6,6 +6,7 @@ for a transport that needs one starts without it, and one that is asked says whi
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 #: library -> (the module it is imported as, the pip extra of this package that installs it, the wheel)
@@ -19,21 +20,47 @@ LIBRARIES: dict[str, tuple[str, str, str]] = {
 
 
 class MissingLibrary(RuntimeError):
-    """A transport was asked for and its library is not installed."""
+    """A transport was asked for and its library is not installed, or does not load."""
+
+
+#: what a library needs from the system, by the shared object its import reports missing
+SYSTEM_LIBRARIES: dict[str, str] = {
+    "libibverbs.so": "the system's libibverbs1 (Debian/Ubuntu: apt-get install libibverbs1)",
+}
+
+
+def load_problem(library: str) -> str | None:
+    """None when `library` imports; else why not, in one line with the remedy.
+
+    A wheel can be installed and still fail to import: Mooncake's binaries load the system's libibverbs
+    even over TCP, and `find_spec` alone would call such a library installed."""
+    module = LIBRARIES[library][0]
+    try:
+        if importlib.util.find_spec(module.partition(".")[0]) is None:
+            return "not installed"
+        importlib.import_module(module)
+    except ModuleNotFoundError:
+        return "not installed"
+    except (ImportError, OSError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        for shared_object, remedy in SYSTEM_LIBRARIES.items():
+            if shared_object in reason:
+                return f"installed but does not load ({reason}): it needs {remedy}"
+        return f"installed but does not load ({reason})"
+    return None
 
 
 def installed(library: str) -> bool:
-    module = LIBRARIES[library][0]
-    try:
-        return importlib.util.find_spec(module.partition(".")[0]) is not None and \
-            importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    """True when `library` is installed and imports."""
+    return load_problem(library) is None
 
 
 def missing_message(library: str, wanted_by: str) -> str:
-    """One line: what needs the library and how to install it."""
+    """One line: what needs the library, why it cannot be used, and how to install it."""
     _, extra, wheel = LIBRARIES[library]
+    problem = load_problem(library)
+    if problem is not None and problem != "not installed":
+        return f"{wanted_by} needs the {library} library, which is {problem}"
     return (f"{wanted_by} needs the {library} library, which is not installed: pip install {wheel}; "
             f"or, in a checkout of encode-server, pip install -e '.[{extra}]'")
 

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.helpers import InProcessServer, decode_embedding, png_bytes
+from tests.support.optional import import_or_skip
 
-mooncake_store = pytest.importorskip(
-    "mooncake.store", reason="Mooncake is not installed: pip install -e '.[mooncake]'")
+mooncake_store = import_or_skip("mooncake", "mooncake.store")
 
 MAGIC = 0x4D4F4F4E  # vLLM's _MOONCAKE_TENSOR_OBJECT_MAGIC
 FLOAT32_CODE = 0

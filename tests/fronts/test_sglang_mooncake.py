@@ -19,9 +19,10 @@ import torch
 import zmq
 
 from tests.support.helpers import InProcessServer, decode_embedding, free_port, png_bytes
+from tests.support.optional import import_or_skip
 from tests.support.sglang_frames import load
 
-pytest.importorskip("mooncake.engine", reason="Mooncake is not installed: pip install -e '.[mooncake]'")
+import_or_skip("mooncake")
 
 
 def server(*extra: str) -> InProcessServer:

@@ -20,11 +20,12 @@ import torch
 
 from encode_server.ops.settings import Settings
 from tests.support.helpers import InProcessServer, free_port, png_bytes
+from tests.support.optional import import_or_skip
 from tests.support.paths import GOLDEN as GOLDEN_ROOT
 from tests.support.paths import ROOT
 from tests.support.vllm_requests import CONSUMER_MODEL, data_url, image_part, media_url, native_rows_of, proxy_body
 
-pytest.importorskip("nixl._api", reason="NIXL is not installed: pip install -e '.[nixl]'")
+import_or_skip("nixl")
 from encode_server.fronts.vllm.cpu_connector import compatibility_hash  # noqa: E402
 from tests.support.nixl_consumer import NixlConsumer  # noqa: E402
 

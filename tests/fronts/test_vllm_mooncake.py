@@ -19,11 +19,12 @@ import torch
 
 from encode_server.ops.settings import load_settings
 from tests.support.helpers import InProcessServer, free_port, png_bytes
+from tests.support.optional import import_or_skip
 from tests.support.paths import GOLDEN as GOLDEN_ROOT
 from tests.support.paths import ROOT
 from tests.support.vllm_requests import CONSUMER_MODEL, data_url, image_part, media_url, native_rows_of, proxy_body
 
-pytest.importorskip("mooncake.engine", reason="Mooncake is not installed: pip install -e '.[mooncake]'")
+import_or_skip("mooncake")
 from tests.support.mooncake_consumer import ConsumerStandIn  # noqa: E402
 
 
