@@ -56,8 +56,12 @@ def test_connected_peer_gets_header_and_payload_bytes():
 
 
 def test_no_peer_fails_after_the_send_timeout_and_not_before():
-    pull, endpoint = pull_socket()
-    pull.close(0)  # nobody listens there any more
+    # A bound socket that does not listen holds the port: connections are refused, no other socket can take
+    # it, and the sender's own connection cannot pick it as its source port (a freed port in the ephemeral
+    # range can be connected to itself by TCP's simultaneous open, and the send then "succeeds").
+    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reservation.bind(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{reservation.getsockname()[1]}"
     sender = EmbeddingSender(send_timeout_s=0.4)
 
     async def scenario():
@@ -70,6 +74,7 @@ def test_no_peer_fails_after_the_send_timeout_and_not_before():
         elapsed, error = asyncio.run(scenario())
     finally:
         sender.close()
+        reservation.close()
     assert 0.4 <= elapsed < 2.0
     assert endpoint in error.failures and "within 0.4 s" in error.failures[endpoint]
 
