@@ -28,6 +28,22 @@ from encode_server.scheduling.clock import Clock
 
 log = logging.getLogger("encode_server.admission.gate")
 
+#: the fields `/encode` reads, and those SGLang's encoder requests carry that it does not need; any other is
+#: ignored too, and said once (docs/CONTRACT.md, section 2)
+ENCODE_FIELDS = frozenset(EncodeRequest.model_fields) | {"encoder_idx", "encoder_url", "time_stats_json"}
+_warned_fields: set[str] = set()
+
+
+def warn_unknown_fields(fields: set[str], req_id: str) -> None:
+    """Say once per field name that `/encode` ignored it, so that a misplaced option is not silently lost."""
+    new = sorted(fields - _warned_fields)
+    if not new:
+        return
+    _warned_fields.update(new)
+    log.warning("POST /encode ignored the field%s %s (req_id=%s; said once per field name): /encode reads only %s",
+                "s" if len(new) > 1 else "", ", ".join(repr(name) for name in new), req_id,
+                ", ".join(EncodeRequest.model_fields))
+
 
 @dataclass
 class Ticket:
@@ -90,6 +106,8 @@ class Admission:
             request = EncodeRequest.model_validate(payload)
         except ValidationError as exc:
             raise EncodeError(400, describe_validation_error(exc), request_id_of(payload)) from None
+        if payload.keys() - ENCODE_FIELDS:
+            warn_unknown_fields(payload.keys() - ENCODE_FIELDS, request.req_id)
         if not self.adapter.supports(request.modality):
             raise EncodeError(400, unsupported_modality_message(self.adapter, request.modality), request.req_id)
         if request.timeout_s is not None and request.timeout_s > self.settings.req_timeout_s:

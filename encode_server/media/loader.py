@@ -55,6 +55,10 @@ class MediaSource:
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/\s]+={0,2}\s*")
 _FILE_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,5}$")
+#: `/etc/passwd`, `/data/images/cat`: an absolute path in base64's alphabet. Base64 media that starts with '/'
+#: (a JPEG's "/9j/") is hundreds of characters at least, with '+' or '=' in it or runs between slashes far longer
+#: than a folder's name; short text of path-like segments is taken for the path it looks like.
+_ABSOLUTE_PATH = re.compile(r"(?:/[A-Za-z0-9_.\-]{1,48})+/?")
 
 
 def _looks_like_path(text: str) -> bool:
@@ -74,7 +78,9 @@ def _parse_string(text: str, location: str) -> MediaSource:
     if head.startswith("file://"):
         return MediaSource("file", text, location)
     # "/9j/4AAQ..." is base64 (a JPEG); "/data/cat.jpg" is a path: only the latter is not base64.
-    if text.startswith("/") and len(text) < 4096 and not _BASE64.fullmatch(text):
+    if text.startswith("/") and len(text) < 4096 and (
+            not _BASE64.fullmatch(text)
+            or (len(text) <= 256 and not text.startswith("/9j/") and _ABSOLUTE_PATH.fullmatch(text))):
         return MediaSource("file", text, location)
     if "://" in text[:32]:
         scheme = text.split("://", 1)[0]

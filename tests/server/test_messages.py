@@ -62,17 +62,20 @@ def test_a_relative_path_as_an_item_says_it_looks_like_a_path_and_how_to_send_fi
     assert "not valid base64" not in message
 
 
-def test_an_absolute_path_without_a_media_folder_says_how_to_send_files():
-    assert parse_item("/tmp/a.png", 0, "image").kind == "file"
+@pytest.mark.parametrize("path", ["/tmp/a.png", "/etc/passwd", "/data/images/cat", "/srv/media/clip-01.mp4"])
+def test_an_absolute_path_without_a_media_folder_says_how_to_send_files(path):
+    # The last three are all in base64's alphabet ("/data/images/cat" even decodes): each is still a path.
+    assert parse_item(path, 0, "image").kind == "file"
     with pytest.raises(PermissionError) as error:
-        resolve_local_path("/tmp/a.png", None)
+        resolve_local_path(path, None)
     message = str(error.value)
-    assert "'/tmp/a.png' is a local file path" in message
+    assert f"{path!r} is a local file path" in message
     for fix in ("base64", "data:", "http(s)://", "--allowed-local-media-dir DIR"):
         assert fix in message, message
 
 
-@pytest.mark.parametrize("item", ["/9j/4AAQSkZJRg==", "abc/", "iVBORw0KGgo=", "aGVsbG8-d29ybGQ_"])
+@pytest.mark.parametrize("item", ["/9j/4AAQSkZJRg==", "abc/", "iVBORw0KGgo=", "aGVsbG8-d29ybGQ_",
+                                  "/9j/4AAQSkZJRgABAQAAAQABAAD", "//uQxAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"])
 def test_base64_is_never_taken_for_a_path(item):
     assert parse_item(item, 0, "image").kind == "base64"
 

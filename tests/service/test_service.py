@@ -63,6 +63,21 @@ async def test_a_lone_request_waits_max_wait_then_the_hard_timeout_releases_it(h
     assert response["timings_ms"]["queue"] >= 2900 and response["batch_size"] == 1
 
 
+async def test_an_unknown_field_is_ignored_and_said_once_per_name(holding, caplog, monkeypatch):
+    from encode_server.admission import gate
+
+    monkeypatch.setattr(gate, "_warned_fields", set())
+    service, _ = holding
+    with caplog.at_level("WARNING", logger="encode_server.admission.gate"):
+        request, _, _ = service.admission.validate(body("unknown-1", max_tokens=5))
+        service.admission.validate(body("unknown-2", max_tokens=7))
+    assert request.req_id == "unknown-1"
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "ignored the field 'max_tokens'" in warnings[0] and "req_id=unknown-1" in warnings[0]
+    assert "mm_items" in warnings[0]  # what /encode does read
+
+
 async def test_duplicate_in_flight_request_is_409_and_the_first_still_succeeds(holding):
     service, clock = holding
     first_body = body("dup", part_idx=0, num_parts=2)
