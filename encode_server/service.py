@@ -47,6 +47,7 @@ from encode_server.responses import encode_response
 from encode_server.scheduling.clock import Clock, MonotonicClock
 from encode_server.scheduling.cost_model import CostModel
 from encode_server.scheduling.demand import Demand, SharedDemand
+from encode_server.scheduling.overlap import AdaptiveOverlap
 from encode_server.scheduling.policy import BatchPolicy
 from encode_server.scheduling.scheduler import EncoderScheduler, batches_in_flight
 from encode_server.scheduling.scheduler_thread import SchedulerThread
@@ -181,9 +182,13 @@ class EncoderService:
                                     costs=self.costs, prefetch_limit=policy.max_batch_size)
         in_flight = batches_in_flight(self.adapter.device.type != "cpu", torch.get_num_threads(), usable_cores(),
                                       self.settings.dp_size)
-        log.info("scheduler: up to %d batch(es) in flight", in_flight)
+        # Where preparing the next batch would contend with the forward for the cores, whether to overlap them
+        # is decided by what they measure on this model and traffic (`scheduling.overlap`).
+        overlap = AdaptiveOverlap(in_flight) if in_flight == 1 else None
+        log.info("scheduler: up to %d batch(es) in flight%s", in_flight,
+                 " to start with; then as the measured costs of preparation and forward say" if overlap else "")
         return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=in_flight, clock=self.clock,
-                                costs=self.costs)
+                                costs=self.costs, overlap=overlap)
 
     @property
     def media_pool(self) -> PriorityThreadPool:
@@ -444,6 +449,7 @@ class EncoderService:
             "pending": self.pending,
             "queue_depth": self.scheduler.queue_depth,
             "batches_in_flight_max": self.scheduler.max_in_flight,
+            "overlap": self.scheduler.overlap_info(),
             "uptime_s": time.time() - self.started_at,
             "cache_store": self.store_info(),
         }

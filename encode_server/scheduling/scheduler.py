@@ -19,8 +19,10 @@ decision, and wake it only while it has room for a batch.
 
 Room for a batch: at most `max_in_flight` batches are between dispatch and the end of their
 forward (default 2: one in the forward, the next one preprocessing). So an idle encoder takes a
-request at once, and a busy one collects the next batch meanwhile. Where the two cannot overlap (a
-CPU forward that leaves no core beside the event loop's) the service keeps one: see `batches_in_flight`.
+request at once, and a busy one collects the next batch meanwhile. Where the two contend for the cores
+(a CPU forward that leaves no core beside the event loop's) the count follows the measured share of
+preparation in a batch's time instead (`overlap`: `scheduling.overlap`): two where preparing is a real
+share of it (camera-sized images), one where it is cheap (the queue is not split).
 
 Work ahead: with `prefetch_limit` (an engine with a preprocessing pool), the first `prefetch_limit`
 queued requests in the policy's order have their items prepared while they wait (`engine.prefetch`,
@@ -48,6 +50,7 @@ from encode_server.records import EncodedPart, EncodeError, EncodeJob
 from encode_server.scheduling.clock import Clock, MonotonicClock
 from encode_server.scheduling.cost_model import CostModel
 from encode_server.scheduling.mailbox import Mailbox
+from encode_server.scheduling.overlap import AdaptiveOverlap
 from encode_server.scheduling.policy import BatchPolicy, Dispatch, QueuedView, decide
 from encode_server.scheduling.queues import ModalityQueues
 
@@ -88,8 +91,9 @@ def batches_in_flight(on_accelerator: bool, forward_threads: int, cores: int, re
     """How many batches the service keeps between dispatch and the end of their forward (no preprocessing pool).
 
     Two per replica where the next batch's preparation has somewhere to run beside a forward: a GPU's, or a CPU
-    forward that leaves two cores free (one is the event loop's). Otherwise nothing overlaps, and a second batch
-    in flight only splits the queue and makes a request wait for two batches instead of one. Measured on a
+    forward that leaves two cores free (one is the event loop's). Otherwise one to start with, and then what the
+    measured costs say (`scheduling.overlap`): where preparation is cheap, a second batch in flight only splits
+    the queue and makes a request wait for two batches instead of one. Measured on a
     2-core VM, one torch thread, 56x56 images: one batch in flight gave batches of 32 instead of 24 at
     concurrency 64, 801-874 against 611-733 req/s, and an interactive p99 under a 256-deep offline flood of 173
     against 285 ms; on one pinned core, 8-15% more throughput; with 448x448 images, within the noise.
@@ -104,11 +108,13 @@ class EncoderScheduler:
     """Owns the per-modality queues; applies the policy; dispatches batches to the engine."""
 
     def __init__(self, engine: Engine, policy: BatchPolicy, metrics: ServerMetrics, max_in_flight: int = 2,
-                 clock: Clock | None = None, costs: CostModel | None = None, prefetch_limit: int = 0) -> None:
+                 clock: Clock | None = None, costs: CostModel | None = None, prefetch_limit: int = 0,
+                 overlap: AdaptiveOverlap | None = None) -> None:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
         self.max_in_flight = max_in_flight
+        self.overlap = overlap  # when set, `max_in_flight` follows the measured costs (`scheduling.overlap`)
         self.prefetch_limit = prefetch_limit
         self._prefetched = 0  # queued requests whose items are being prepared ahead
         self.clock = clock or MonotonicClock()
@@ -373,7 +379,19 @@ class EncoderScheduler:
             return
         if any(result.batch_size != len(live) for result in results):
             return
-        self.costs.observe_batch(modality, len(live), sum(p.job.tokens for p in live), results[0].timings.encode / 1e3)
+        timings = results[0].timings
+        self.costs.observe_batch(modality, len(live), sum(p.job.tokens for p in live), timings.encode / 1e3)
+        if self.overlap is not None:
+            choice = self.overlap.observe(timings.preprocess / 1e3, timings.encode / 1e3)
+            if choice.in_flight != self.max_in_flight:
+                log.info("scheduler: up to %d batch(es) in flight: %s", choice.in_flight, choice.reason)
+                self.max_in_flight = choice.in_flight
+
+    def overlap_info(self) -> dict[str, object]:
+        """How many batches may be in flight and why (`/server_info`)."""
+        if self.overlap is not None:
+            return self.overlap.summary()
+        return {"adaptive": False, "batches_in_flight": self.max_in_flight}
 
 
 def _fail(pending: PendingRequest, error: EncodeError) -> None:

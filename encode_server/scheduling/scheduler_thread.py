@@ -107,6 +107,10 @@ class SchedulerThread:
     def max_in_flight(self) -> int:
         return self.scheduler.max_in_flight
 
+    def overlap_info(self) -> dict[str, object]:
+        """The scheduler's choice of batches in flight and why (read across threads: plain values)."""
+        return self.scheduler.overlap_info()
+
     def submit(self, job: EncodeJob, deadline: float, priority: int = 0,
                expires: float | None = None) -> asyncio.Future[EncodedPart]:
         """As `EncoderScheduler.submit`, from the caller's loop: the future is the caller's."""
