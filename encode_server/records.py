@@ -8,17 +8,23 @@ new record with `dataclasses.replace`):
 - `Timings`: where a request's time went, in milliseconds;
 - `EncodedPart`: what the engine hands back for one job (its rows and layouts, the batch size, the
   preprocess and encode timings); the scheduler returns a copy with the queue time filled in;
-- `EncodeError`: any failure, carrying the HTTP status it maps to.
+- `EncodeError`: any failure, carrying the HTTP status it maps to;
+- `LayoutsKnown`: the one callback that travels with a part, told its items' layouts before the forward
+  (a hand-over whose receivers size their buffers ahead: `delivery.handover`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from encode_server.models import ItemLayout
+
+#: Called once with every item's layout of a part as soon as they are known (before the forward).
+LayoutsKnown = Callable[[Sequence[ItemLayout]], None]
 
 
 class EncodeError(Exception):

@@ -3,9 +3,10 @@ servers both use it.
 
 `load_encoder` comes first, before the app exists: the device, the model (a Hub id becomes its local folder),
 the parallel ranks, the adapter, tensor parallelism and preprocessing on the device. `Runtime` is the rest,
-which the app's lifespan runs on the serving loop: `start` warms the model up, starts the service and every
-front, and freezes what is alive by then out of the garbage collector's full collections; `stop` closes the
-fronts, then the service.
+which the app's lifespan runs on the serving loop: `start` warms the model up, chooses the hand-over once
+(ZMQ delivery, or the one a front's receivers need), has `assembly.build_service` build the service around
+it, starts the service and every front, and freezes what is alive by then out of the garbage collector's
+full collections; `stop` closes the fronts, then the service.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any
 
 import encode_server
+from encode_server.assembly import build_service, zmq_delivery
+from encode_server.delivery.destinations import Delivery
+from encode_server.delivery.handover import Handover
 from encode_server.fronts.base import Front
 from encode_server.fronts.native.routes import NativeFront
 from encode_server.fronts.sglang.front import SglangFront
 from encode_server.fronts.vllm.front import VllmFront
 from encode_server.models import DTYPE_NAMES, EncoderAdapter
+from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import WorkerGroup
 from encode_server.service import EncoderService
@@ -115,7 +119,10 @@ class Runtime:
         warming = time.monotonic()
         await asyncio.to_thread(encoder.warmup)
         log.info("warmed up in %.1f s; starting the scheduler", time.monotonic() - warming)
-        service = EncoderService(self.settings, encoder, self.group, scheduler_thread=True)
+        metrics = ServerMetrics(modalities=encoder.info.modalities)
+        delivery = zmq_delivery(self.settings, encoder, metrics)
+        service = build_service(self.settings, encoder, self.group, scheduler_thread=True, metrics=metrics,
+                                delivery=delivery, handover=await self.handover(encoder, delivery))
         await service.start()
         self.service = service
         for front in self.fronts:
@@ -128,6 +135,19 @@ class Runtime:
                  encoder.info.name, encoder.info.family, encoder.device, DTYPE_NAMES[encoder.dtype])
         return service
 
+    async def handover(self, encoder: EncoderAdapter, delivery: Delivery) -> Handover:
+        """The one hand-over of every request: a front's, when its receivers need one (at most one front may
+        give one), else ZMQ `delivery`."""
+        chosen: list[tuple[Front, Handover]] = []
+        for front in self.fronts:
+            offered = await front.handover(encoder, delivery)
+            if offered is not None:
+                chosen.append((front, offered))
+        if len(chosen) > 1:
+            raise StartError(f"two fronts each need the hand-over of every request "
+                             f"({', '.join(type(front).__name__ for front, _ in chosen)}): enable one of them")
+        return chosen[0][1] if chosen else delivery
+
     async def stop(self) -> None:
         """Close the fronts (last started first), then the service (its ranks and workers with it)."""
         for front in reversed(self.fronts):
@@ -135,9 +155,9 @@ class Runtime:
         if self.service is not None:
             await self.service.stop()
 
-    def transport(self) -> dict[str, Any]:
+    def transport(self) -> dict[str, object]:
         """`/server_info`'s `transport`: how rows leave this server, per consumer kind."""
-        found: dict[str, Any] = {}
+        found: dict[str, object] = {}
         for front in self.fronts:
             found.update(front.transport())
         return found

@@ -1,22 +1,23 @@
-"""The encode path from a parsed body to a response, independent of the HTTP framework.
+"""The encode path from a parsed body to a response, independent of the HTTP framework; it runs requests and
+builds nothing (`assembly.build_service` builds its parts).
 
-`EncoderService` builds the components and runs each request through them, one way:
-admission (validate, admit, deadline) -> media (fetch and decode each item) -> scheduler and engine
-(one fused forward) -> delivery (ZMQ destinations and registrations) -> response. It also owns what
-concerns the whole server: the health probe (a tiny request through the same path), server info,
-draining and the death of a parallel rank.
+`EncoderService` runs each request through its parts, one way: admission (validate, admit, deadline) ->
+`PartEncoder` (fetch and decode each item, or take it from the embedding cache) -> `JobQueue`, the scheduler
+and the engine (one fused forward) -> the hand-over (`delivery.handover`: ZMQ destinations and
+registrations, or staged for receivers that pull) -> response. It also owns what concerns the whole
+server: the health probe's verdict (a tiny request through the same path), server info, draining and the
+death of a parallel rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextvars
-import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -24,44 +25,37 @@ from pydantic import ValidationError
 import encode_server
 from encode_server.admission.gate import Admission
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
-from encode_server.cache.cached_encoding import CachedEncoding, cache_capacity, item_keys
+from encode_server.cache.cached_encoding import CachedEncoding
 from encode_server.cache.embedding_cache import EmbeddingCache
-from encode_server.cache.store_client import StoreConnection, check_installed
-from encode_server.cache.store_tier import StoreTier, native_namespace, row_widths, store_config
+from encode_server.cache.store_client import StoreConnection
 from encode_server.delivery.destinations import Delivery
-from encode_server.delivery.formats import wire_format
-from encode_server.delivery.sockets import EmbeddingSender, check_endpoint
+from encode_server.delivery.handover import Destinations, Handover
+from encode_server.delivery.sockets import check_endpoint
 from encode_server.engine import EncoderEngine
-from encode_server.media.decoding import MediaError, MediaLimits
+from encode_server.media.decoding import MediaError
 from encode_server.media.loader import LoadedItem, MediaLoader, parse_item
 from encode_server.media.priority_pool import CURRENT_PRIORITY, PriorityThreadPool
-from encode_server.models import EncoderAdapter, ItemLayout
+from encode_server.models import EncoderAdapter
 from encode_server.models.dtypes import DTYPE_NAMES
-from encode_server.ops.cores import usable_cores
 from encode_server.ops.health import HealthProbe
-from encode_server.ops.metrics import ServerMetrics
+from encode_server.ops.metrics import LoopLagMonitor, ServerMetrics
 from encode_server.ops.settings import Settings
-from encode_server.parallel.ranks import DataParallelReplicas, WorkerGroup
-from encode_server.records import EncodedPart, EncodeError, EncodeJob, PartMeta
+from encode_server.parallel.ranks import WorkerGroup, WorkerRank
+from encode_server.records import EncodedPart, EncodeError, EncodeJob, LayoutsKnown, PartMeta
 from encode_server.responses import encode_response
-from encode_server.scheduling.clock import Clock, MonotonicClock
+from encode_server.scheduling.clock import Clock
 from encode_server.scheduling.cost_model import CostModel
 from encode_server.scheduling.demand import Demand, SharedDemand
-from encode_server.scheduling.overlap import AdaptiveOverlap
-from encode_server.scheduling.policy import BatchPolicy
-from encode_server.scheduling.scheduler import EncoderScheduler, batches_in_flight
+from encode_server.scheduling.scheduler import EncoderScheduler
 from encode_server.scheduling.scheduler_thread import SchedulerThread
 
-log = logging.getLogger("encode_server.service")
+if TYPE_CHECKING:  # the pool's module starts nothing when imported, but only a server with workers needs it
+    from encode_server.preprocessing.pool import PreprocessPool
 
 T = TypeVar("T")
 
 #: The `req_id` of health probes.
 PROBE_REQ_ID = "__health_probe__"
-#: Set by a request whose rows are staged for their receivers to pull (`EncoderService.stager`): called with
-#: its items' layouts as soon as they are known, before the forward, so receivers can size their buffers.
-SIZES_KNOWN: contextvars.ContextVar[Callable[[list[Any]], None] | None] = contextvars.ContextVar(
-    "sizes_known", default=None)
 
 
 def awaits_registrations(request: EncodeRequest) -> bool:
@@ -69,131 +63,144 @@ def awaits_registrations(request: EncodeRequest) -> bool:
     return request.prefill_host is not None and request.embedding_port is None
 
 
-def batch_policy(settings: Settings) -> BatchPolicy:
-    """The dispatch policy's knobs, from the settings."""
-    return BatchPolicy(
-        max_batch_size=settings.max_batch_size,
-        max_wait_s=0.0 if settings.adaptive_wait else settings.max_wait_ms / 1000.0,
-        min_batch_size=settings.min_batch_size, hard_timeout_additional_s=settings.hard_timeout_additional_s,
-        max_batch_tokens=settings.max_batch_tokens, dynamic_batching=settings.enable_dynamic_batching,
-        adaptive_wait=settings.adaptive_wait,
-    )
+class JobQueue:
+    """A part's decoded items as one `EncodeJob` on the scheduler's queue, and its rows back."""
+
+    def __init__(self, scheduler: EncoderScheduler | SchedulerThread, metrics: ServerMetrics) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    async def submit(self, meta: PartMeta, loaded: Sequence[LoadedItem], decode_s: float, deadline: float,
+                     priority: int = 0, probe: bool = False, layouts_known: LayoutsKnown | None = None) -> EncodedPart:
+        """Queue the items as one job and await its rows."""
+        return await self.scheduler.submit(self._job(meta, loaded, decode_s, probe, layouts_known), deadline, priority)
+
+    async def submit_shared(self, meta: PartMeta, loaded: Sequence[LoadedItem], decode_s: float,
+                            waiting: SharedDemand, layouts_known: LayoutsKnown | None = None) -> EncodedPart:
+        """Queue the embedding cache's misses as one job that belongs to the requests `waiting` for it: placed
+        by the most urgent of them, dropped only after the last one's deadline, and moved as they come and go."""
+        urgency = waiting.urgency
+        future = self.scheduler.submit(self._job(meta, loaded, decode_s, layouts_known=layouts_known),
+                                       urgency.deadline, urgency.priority, urgency.expires)
+        waiting.watch(lambda now: self.scheduler.reprioritize(future, now.deadline, now.priority, now.expires))
+        try:
+            return await future
+        finally:
+            waiting.watch(None)
+
+    def _job(self, meta: PartMeta, loaded: Sequence[LoadedItem], decode_s: float, probe: bool = False,
+             layouts_known: LayoutsKnown | None = None) -> EncodeJob:
+        self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
+        if layouts_known is not None:  # before the forward: receivers that pull size their buffers meanwhile
+            layouts_known([item.layout for item in loaded])
+        return EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
+                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
+                         decode_s=decode_s, probe=probe)
 
 
-def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: MediaLimits):
-    """The `--preprocess-workers` pool (not started), or None: preprocessing then runs in a thread here.
+class PartEncoder:
+    """A part's raw items to its rows: each parsed, fetched and decoded on its own (with the embedding cache
+    on, only those it does not hold), then encoded in one fused job."""
 
-    Tensor-parallel servers keep preprocessing in-process: every rank prepares the same whole batch
-    and agrees on its layout, which a pool that drops a bad item alone would break."""
-    from encode_server.preprocessing.pool import PreprocessPool, default_preprocess_workers
+    def __init__(self, adapter: EncoderAdapter, media: MediaLoader, jobs: JobQueue, cached: CachedEncoding | None,
+                 clock: Clock) -> None:
+        self.adapter = adapter
+        self.media = media
+        self.jobs = jobs
+        self.cached = cached
+        self.clock = clock
 
-    workers = settings.preprocess_workers
-    if workers < 0:
-        workers = default_preprocess_workers()
-    if workers == 0:
-        return None
-    if settings.tp_size > 1:
-        log.warning("--preprocess-workers is ignored with --tp-size > 1: every rank preprocesses in-process")
-        return None
-    if settings.preprocess_device != "cpu":
-        log.warning("--preprocess-workers is ignored with --preprocess-device %s: images are preprocessed on the "
-                    "GPU in this process", settings.preprocess_device)
-        return None
-    import pickle
+    async def encode(self, meta: PartMeta, raw_items: Sequence[object], deadline: float, priority: int = 0,
+                     layouts_known: LayoutsKnown | None = None, probe: bool = False) -> EncodedPart:
+        """The part's rows (health probes always go to the encoder); `layouts_known` hears the items'
+        layouts before the forward when one job holds all of them. A bad item is a 400."""
+        decode_started = time.perf_counter()
+        CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
+        try:
+            sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
+            if self.cached is not None and not probe:
+                return await self.cached.encode(meta, sources, decode_started, Demand(deadline, priority),
+                                                layouts_known)
+            loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
+        except MediaError as exc:
+            raise EncodeError(400, str(exc), meta.req_id) from None
+        return await self.jobs.submit(meta, loaded, time.perf_counter() - decode_started, deadline, priority, probe,
+                                      layouts_known)
 
-    try:
-        pickle.dumps(adapter.preprocessing_copy())
-    except Exception as exc:  # e.g. a family whose sizing rule is a local closure
-        log.warning("--preprocess-workers %d ignored: model family %s cannot be sent to worker processes (%s); "
-                    "preprocessing runs in-process", workers, adapter.info.family, exc)
-        return None
-    return PreprocessPool(adapter, limits, workers, item_timeout_s=settings.req_timeout_s)
+    async def probe(self, timeout_s: float) -> None:
+        """A tiny built-in input through decode, scheduler, processor, forward and slicing (the health probe)."""
+        modality, data = self.adapter.sample_encoded()
+        meta = PartMeta(req_id=PROBE_REQ_ID, part_idx=0, num_parts=1, modality=modality)
+        part = await self.encode(meta, [base64.b64encode(data).decode("ascii")], self.clock.now() + timeout_s,
+                                 probe=True)
+        tokens = sum(layout.tokens for layout in part.layouts)
+        if part.embedding.shape[0] != tokens:
+            raise RuntimeError(f"probe embedding has shape {tuple(part.embedding.shape)} for {tokens} tokens")
+        if not torch.isfinite(part.embedding).all():
+            raise RuntimeError("probe embedding holds NaN or infinite values")
+
+
+@dataclass(frozen=True)
+class ServiceParts:
+    """What `EncoderService` runs requests through, built by `assembly.build_service`."""
+
+    adapter: EncoderAdapter
+    group: WorkerGroup | None  # the other parallel ranks, or None with one
+    clock: Clock
+    metrics: ServerMetrics
+    admission: Admission
+    media_pool: PriorityThreadPool  # decoding threads, by priority
+    media: MediaLoader
+    preprocess_pool: PreprocessPool | None  # `--preprocess-workers` processes, or None: preprocessing in-process
+    cache: EmbeddingCache
+    store: StoreConnection | None  # the shared second tier (`--cache-store`), or None
+    cached: CachedEncoding | None  # the request path through the cache, None with it off
+    engine: EncoderEngine
+    costs: CostModel
+    scheduler: EncoderScheduler | SchedulerThread
+    encoder: PartEncoder
+    delivery: Delivery  # ZMQ delivery and `/scheduler_receive_url`'s registrations
+    handover: Handover  # how rows leave: `delivery`, or a front's (chosen once, when the runtime is built)
+    health: HealthProbe
+    loop_lag: Mapping[str, LoopLagMonitor]  # "http" and "scheduler"
 
 
 class EncoderService:
-    """Everything one server process needs to answer `/encode`. Must be built on the running loop.
+    """Everything one server process needs to answer `/encode`, given its built parts (`ServiceParts`).
 
-    With `scheduler_thread` (as the server runs it) the engine and the scheduler run on an event loop of
-    their own (`scheduling.scheduler_thread.SchedulerThread`), so HTTP work never delays a batch; without it, on
-    this loop (the in-process tests, whose fake clock steps one loop)."""
+    With a `SchedulerThread` (as the server runs it) the engine and the scheduler run on an event loop of their
+    own, so HTTP work never delays a batch; with an `EncoderScheduler`, on this loop (the in-process tests,
+    whose fake clock steps one loop)."""
 
-    def __init__(self, settings: Settings, adapter: EncoderAdapter, group: WorkerGroup | None = None,
-                 clock: Clock | None = None, scheduler_thread: bool = False) -> None:
+    def __init__(self, settings: Settings, parts: ServiceParts) -> None:
         self.settings = settings
-        self.adapter = adapter
-        self.group = group
-        self.clock = clock or MonotonicClock()
-        self.metrics = ServerMetrics(modalities=adapter.info.modalities)
+        self.parts = parts
+        self.adapter = parts.adapter
+        self.group = parts.group
+        self.clock = parts.clock
+        self.metrics = parts.metrics
+        self.admission = parts.admission
+        self.preprocess_pool = parts.preprocess_pool
+        self.media = parts.media
+        self.cache = parts.cache
+        self.store = parts.store
+        self.cached = parts.cached
+        self.engine = parts.engine
+        self.costs = parts.costs
+        self.scheduler = parts.scheduler
+        self.encoder = parts.encoder
+        self.delivery = parts.delivery
+        self.handover = parts.handover
+        self.health = parts.health
         self.started_at = time.time()
-        self.admission = Admission(settings, adapter, self.metrics, self.clock,
-                                   evict=lambda priority: self.scheduler.evict_for(priority))
-        # Decoding is ordered by priority too, so an interactive request does not wait behind a flood's decodes.
-        self._media_pool = PriorityThreadPool(settings.media_workers, thread_name_prefix="media")
-        limits = MediaLimits.from_settings(settings, adapter)
-        self.preprocess_pool = make_preprocess_pool(settings, adapter, limits)
-        # With a pool, images are only opened here (header: size and pixel limit, for the layout); the
-        # pool's workers decode them in full.
-        self.media = MediaLoader(self._media_pool, limits, header_only_images=self.preprocess_pool is not None)
-        self.cache = EmbeddingCache(cache_capacity(settings))
-        self.metrics.watch_cache(self.cache)
-        keys = item_keys(adapter, limits) if self.cache.enabled else None
-        # The shared second tier (--cache-store): one Mooncake Store connection for the native items and
-        # the vLLM producer's.
-        self.store: StoreConnection | None = None
-        native_store = None
-        if settings.cache_store and keys is not None:
-            check_installed()
-            self.store = StoreConnection(store_config(settings), f"encode-server {encode_server.__version__}")
-            native_store = StoreTier(self.store, native_namespace(settings, adapter, keys.fingerprint),
-                                     row_widths(adapter.info), ItemLayout)
-            self.metrics.watch_store(self.store)
-        # The embedding cache's request path (off with --cache-bytes 0); its misses come back through
-        # `_submit_shared`, ordered by the most urgent request waiting for them.
-        self.cached = CachedEncoding(
-            self.cache, keys, self.media, adapter.item_layout, self.metrics,
-            self._submit_shared, native_store, self.clock.now) if self.cache.enabled else None
-        self.engine: EncoderEngine
-        self.costs = CostModel()
-        self.scheduler: EncoderScheduler | SchedulerThread = (
-            SchedulerThread(self._build_scheduler) if scheduler_thread else self._build_scheduler())
-        self._loop_lag = {loop: self.metrics.loop_lag_monitor(loop) for loop in ("http", "scheduler")}
-        # Registrations live as long as a request may: the send timeout bounds how late one may come.
-        self.delivery = Delivery(EmbeddingSender(settings.send_timeout_s), wire_format(settings, adapter), self.metrics,
-                                 settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
-        self.health = HealthProbe(self._probe, settings.health_probe_interval_s, settings.health_probe_timeout_s)
         # Called once when draining begins (`on_drain`): fronts that announced this server withdraw it.
         self._drain_listeners: list[Callable[[], None]] = []
         self._drain_told = False
-        # Set by a front whose receivers pull staged rows instead of being delivered to: `publish(meta,
-        # layouts)`, `stage(meta, part) -> response fields`, `fail(meta, error)`. None: delivered.
-        self.stager: Any = None
-
-    def _build_scheduler(self) -> EncoderScheduler:
-        """The engine and the scheduler, on the loop they will run on (the running one)."""
-        replicas = None
-        if self.group is not None and self.group.role == "dp":
-            replicas = DataParallelReplicas(self.group, asyncio.get_running_loop())
-        self.engine = EncoderEngine(self.adapter, self.metrics, replicas, self.preprocess_pool)
-        policy = batch_policy(self.settings)
-        if self.engine.can_prefetch:
-            # The pool prepares up to a batch's worth of queued requests ahead; a batch takes the ready ones,
-            # so one batch in flight (in the forward) is enough: the next takes what is ready when it ends.
-            return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=1, clock=self.clock,
-                                    costs=self.costs, prefetch_limit=policy.max_batch_size)
-        in_flight = batches_in_flight(self.adapter.device.type != "cpu", torch.get_num_threads(), usable_cores(),
-                                      self.settings.dp_size)
-        # Where preparing the next batch would contend with the forward for the cores, whether to overlap them
-        # is decided by what they measure on this model and traffic (`scheduling.overlap`).
-        overlap = AdaptiveOverlap(in_flight) if in_flight == 1 else None
-        log.info("scheduler: up to %d batch(es) in flight%s", in_flight,
-                 " to start with; then as the measured costs of preparation and forward say" if overlap else "")
-        return EncoderScheduler(self.engine, policy, self.metrics, max_in_flight=in_flight, clock=self.clock,
-                                costs=self.costs, overlap=overlap)
 
     @property
     def media_pool(self) -> PriorityThreadPool:
         """The threads that decode media (by priority), for producers that decode items themselves."""
-        return self._media_pool
+        return self.parts.media_pool
 
     @property
     def pending(self) -> int:
@@ -210,13 +217,13 @@ class EncoderService:
             loop = asyncio.get_running_loop()
             self.group.on_death(lambda worker: loop.call_soon_threadsafe(self._rank_died, worker))
         self.scheduler.start()
-        self._loop_lag["http"].start()
-        self.scheduler.call(self._loop_lag["scheduler"].start).result()  # on its loop (this one, without a thread)
+        self.parts.loop_lag["http"].start()
+        self.scheduler.call(self.parts.loop_lag["scheduler"].start).result()  # on its loop (this one, without a thread)
         self.health.verdict()  # the first probe starts now, in the background
 
     async def stop(self) -> None:
-        self._loop_lag["http"].stop()
-        await self.scheduler.run(self._loop_lag["scheduler"].stop)
+        self.parts.loop_lag["http"].stop()
+        await self.scheduler.run(self.parts.loop_lag["scheduler"].stop)
         await self.health.close()
         await self.scheduler.stop()
         await self.delivery.close()
@@ -226,32 +233,30 @@ class EncoderService:
         self.engine.close()
         if self.preprocess_pool is not None:
             await asyncio.to_thread(self.preprocess_pool.close)
-        self._media_pool.shutdown(wait=False, cancel_futures=True)
+        self.parts.media_pool.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
 
     # --- one request -----------------------------------------------------------------------------
 
-    async def encode(self, payload: Any) -> dict[str, Any]:
+    async def encode(self, payload: object) -> dict[str, object]:
         """Answer one `/encode` body (already JSON-decoded). Raises `EncodeError` for any failure."""
         request, meta, endpoints = self.admission.validate(payload)
-
-        def tell_destinations(error: EncodeError) -> None:
-            if error.status != 502:  # 502: they could not be reached
-                self.delivery.notify_failure(meta, endpoints, error, awaits_registrations(request))
-
-        return await self._admitted(request, lambda deadline: self._serve(request, meta, endpoints, deadline),
-                                    tell_destinations, " (the request's timeout_s, at most --req-timeout-s)")
+        to = Destinations(meta, tuple(endpoints), inline=request.return_embedding,
+                          registered=awaits_registrations(request))
+        return await self._admitted(request, lambda deadline: self._serve(request, to, deadline),
+                                    lambda error: self.handover.failed(to, error),
+                                    " (the request's timeout_s, at most --req-timeout-s)")
 
     async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
         """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
-        like any `/encode` request (batched with them), and return their rows instead of delivering them:
+        like any `/encode` request (batched with them), and return their rows instead of handing them over:
         the entry point of producers that store rows themselves (the vLLM front). `EncodeError` on failure."""
         request = EncodeRequest(req_id=req_id, modality=modality, mm_items=items, priority=priority)
         meta = PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality)
 
         async def rows(deadline: float) -> tuple[EncodedPart, EncodedPart]:
-            part = await self._encode_items(meta, items, deadline, priority=priority)
+            part = await self.encoder.encode(meta, items, deadline, priority=priority)
             return part, part
 
         return await self._admitted(request, rows)
@@ -284,74 +289,19 @@ class EncoderService:
                 on_failure(error)
             raise error from None
 
-    async def _serve(self, request: EncodeRequest, meta: PartMeta, endpoints: list[str],
-                     deadline: float) -> tuple[EncodedPart, dict[str, Any]]:
-        """Encode an admitted request, deliver it (or stage it for its receivers to pull), and build its
-        response."""
-        if self.stager is not None and not request.return_embedding:  # rows asked for inline are not staged
-            # Only a job of all the part's items gives its sizes (with the cache on, a job may hold only misses).
-            SIZES_KNOWN.set(lambda layouts: len(layouts) == len(request.mm_items) and
-                            self.stager.publish(meta, layouts))
-            try:
-                part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
-            except EncodeError as error:
-                self.stager.fail(meta, error)
-                raise
-            extra = self.stager.stage(meta, part)
-            response = await encode_response(meta, part, request.return_embedding, self.metrics,
-                                             self.adapter.info.deepstack_of(meta.modality))
-            return part, {**response, **extra}
-        part = await self._encode_items(meta, request.mm_items, deadline, priority=request.priority)
-        transfer_s = await self.delivery.deliver(meta, endpoints, part, request.return_embedding,
-                                                 awaits_registrations(request))
-        if transfer_s:  # 0.0: nothing was sent (parked for receivers that register later, or returned inline)
-            part = part.with_timings(part.timings.with_transfer(transfer_s * 1e3))
-        return part, await encode_response(meta, part, request.return_embedding, self.metrics,
-                                           self.adapter.info.deepstack_of(meta.modality))
+    async def _serve(self, request: EncodeRequest, to: Destinations,
+                     deadline: float) -> tuple[EncodedPart, dict[str, object]]:
+        """Encode an admitted request, hand it over, and build its response."""
+        part = await self.encoder.encode(to.meta, request.mm_items, deadline, request.priority,
+                                         self.handover.layouts_known(to))
+        handed = await self.handover.hand_over(to, part)
+        if handed.transfer_s:  # 0.0: nothing was sent (staged, parked for later receivers, or returned inline)
+            part = part.with_timings(part.timings.with_transfer(handed.transfer_s * 1e3))
+        response = await encode_response(to.meta, part, request.return_embedding, self.metrics,
+                                         self.adapter.info.deepstack_of(to.meta.modality))
+        return part, {**response, **handed.fields}
 
-    async def _encode_items(self, meta: PartMeta, raw_items: list[Any], deadline: float,
-                            probe: bool = False, priority: int = 0) -> EncodedPart:
-        """Fetch and decode a part's items (each on its own), then encode them in a fused batch; with the
-        embedding cache on, only the items it does not hold (health probes always go to the encoder)."""
-        decode_started = time.perf_counter()
-        CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
-        try:
-            sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
-            if self.cached is not None and not probe:
-                return await self.cached.encode(meta, sources, decode_started, Demand(deadline, priority))
-            loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
-        except MediaError as exc:
-            raise EncodeError(400, str(exc), meta.req_id) from None
-        return await self._submit(meta, loaded, time.perf_counter() - decode_started, deadline, priority, probe)
-
-    async def _submit(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, deadline: float,
-                      priority: int = 0, probe: bool = False) -> EncodedPart:
-        """Queue a part's decoded items as one job and await its rows."""
-        return await self.scheduler.submit(self._job(meta, loaded, decode_s, probe), deadline, priority)
-
-    async def _submit_shared(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float,
-                             waiting: SharedDemand) -> EncodedPart:
-        """Queue the embedding cache's misses as one job that belongs to the requests `waiting` for it: placed
-        by the most urgent of them, dropped only after the last one's deadline, and moved as they come and go."""
-        urgency = waiting.urgency
-        future = self.scheduler.submit(self._job(meta, loaded, decode_s), urgency.deadline, urgency.priority,
-                                       urgency.expires)
-        waiting.watch(lambda now: self.scheduler.reprioritize(future, now.deadline, now.priority, now.expires))
-        try:
-            return await future
-        finally:
-            waiting.watch(None)
-
-    def _job(self, meta: PartMeta, loaded: list[LoadedItem], decode_s: float, probe: bool = False) -> EncodeJob:
-        self.metrics.preprocess.labels(meta.modality, "decode").observe(decode_s)
-        sizes_known = SIZES_KNOWN.get()
-        if sizes_known is not None and not probe:
-            sizes_known([item.layout for item in loaded])
-        return EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
-                         layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
-                         decode_s=decode_s, probe=probe)
-
-    async def register_receiver(self, payload: Any) -> dict[str, Any]:
+    async def register_receiver(self, payload: object) -> dict[str, object]:
         """`/scheduler_receive_url`: a prefill rank asks for a request's embedding."""
         if not isinstance(payload, dict):
             raise EncodeError(400, f"the body must be a JSON object, got {type(payload).__name__}")
@@ -369,19 +319,7 @@ class EncoderService:
 
     # --- the whole server ------------------------------------------------------------------------
 
-    async def _probe(self) -> None:
-        """A tiny built-in input through decode, scheduler, processor, forward and slicing."""
-        modality, data = self.adapter.sample_encoded()
-        meta = PartMeta(req_id=PROBE_REQ_ID, part_idx=0, num_parts=1, modality=modality)
-        deadline = self.clock.now() + self.settings.health_probe_timeout_s
-        part = await self._encode_items(meta, [base64.b64encode(data).decode("ascii")], deadline, probe=True)
-        tokens = sum(layout.tokens for layout in part.layouts)
-        if part.embedding.shape[0] != tokens:
-            raise RuntimeError(f"probe embedding has shape {tuple(part.embedding.shape)} for {tokens} tokens")
-        if not torch.isfinite(part.embedding).all():
-            raise RuntimeError("probe embedding holds NaN or infinite values")
-
-    def _rank_died(self, worker) -> None:
+    def _rank_died(self, worker: WorkerRank) -> None:
         if self.engine.replicas is not None:
             # Its batches are retried on the others; the replicas live on the scheduler's loop.
             self.scheduler.call(self.engine.replicas.replica_died, worker.rank)
@@ -433,7 +371,7 @@ class EncoderService:
         self.admission.broken = self.admission.broken or message
         self.fail_queued(message)
 
-    def server_info(self) -> dict[str, Any]:
+    def server_info(self) -> dict[str, object]:
         info = self.adapter.info
         return {
             "version": encode_server.__version__,
@@ -454,7 +392,7 @@ class EncoderService:
             "cache_store": self.store_info(),
         }
 
-    def store_info(self) -> dict[str, Any] | None:
+    def store_info(self) -> dict[str, object] | None:
         """The shared tier (--cache-store): where, its state, namespace, counters; None when off."""
         if self.store is None:
             return None
@@ -470,7 +408,7 @@ class EncoderService:
                 "publish_drops": stats.publish_drops, "publish_errors": stats.publish_errors,
                 "pending_items": pending_items, "pending_bytes": pending_bytes, "reconnects": stats.reconnects}
 
-    async def performance(self) -> dict[str, Any]:
+    async def performance(self) -> dict[str, object]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)
         # Read where the scheduler updates it, on its loop.
         summary["cost_model"] = await self.scheduler.run(self.costs.summary, self.settings.max_batch_size,

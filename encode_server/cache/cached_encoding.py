@@ -26,12 +26,12 @@ from encode_server.models import EncoderAdapter
 from encode_server.ops.memory import default_cache_bytes
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
-from encode_server.records import EncodedPart, EncodeError, PartMeta, Timings
+from encode_server.records import EncodedPart, EncodeError, LayoutsKnown, PartMeta, Timings
 from encode_server.scheduling.demand import Demand, SharedDemand
 
-#: (meta, decoded items, decode seconds, the demands of the requests waiting) -> the job's rows, through the
-#: scheduler, which orders it by the most urgent of them and hears of joins and leaves.
-SubmitJob = Callable[[PartMeta, list[LoadedItem], float, SharedDemand], Awaitable[EncodedPart]]
+#: (meta, decoded items, decode seconds, the demands of the requests waiting, who hears the layouts) -> the
+#: job's rows, through the scheduler, which orders it by the most urgent of them and hears of joins and leaves.
+SubmitJob = Callable[[PartMeta, list[LoadedItem], float, SharedDemand, LayoutsKnown | None], Awaitable[EncodedPart]]
 
 
 class CachedEncoding:
@@ -50,14 +50,15 @@ class CachedEncoding:
         self.submit = submit
 
     async def encode(self, meta: PartMeta, sources: list[MediaSource], started: float,
-                     demand: Demand | None = None) -> EncodedPart:
+                     demand: Demand | None = None, layouts_known: LayoutsKnown | None = None) -> EncodedPart:
         """Hash each item's bytes (before decoding), take what the cache holds, join identical items being
         encoded for other requests, and encode only the rest, in one job; rows come back in item order.
 
         The missing items' decode and encode run in the cache's shared computation, detached from this
         request: if it is cancelled or times out, requests waiting for the same items still get them.
         Its place in the scheduler's queue follows the most urgent request waiting for it (`demand`:
-        this request's deadline and priority).
+        this request's deadline and priority). `layouts_known` hears the layouts when that job holds every
+        item of the part (before its forward); with hits, or items joined from other requests, it does not.
         """
         read = await self.media.read(meta.modality, sources, functools.partial(self.item_keys.key, meta.modality),
                                      self.describe, self.cache.probably_holds)
@@ -75,7 +76,9 @@ class CachedEncoding:
             missing = [index for index, hit in enumerate(found) if hit is None]
             if not missing:
                 return found
-            part = await self._encode_missing(meta, [items[index] for index in missing], waiting)
+            whole = len(missing) == len(read)  # only a job of all the part's items gives its layouts
+            part = await self._encode_missing(meta, [items[index] for index in missing], waiting,
+                                              layouts_known if whole else None)
             own.append(part)
             rows = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
             for index, item_rows, layout in zip(missing, rows, part.layouts):
@@ -106,7 +109,8 @@ class CachedEncoding:
                            batch_size=part.batch_size if part else 0, timings=timings,
                            cached=tuple(tier is not None for tier in tiers), cache_tiers=tiers)
 
-    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], waiting: SharedDemand) -> EncodedPart:
+    async def _encode_missing(self, meta: PartMeta, items: list[RawItem], waiting: SharedDemand,
+                              layouts_known: LayoutsKnown | None) -> EncodedPart:
         """Decode the items the cache misses and encode them as one job (the cache cancels it when no
         request waits for it any more)."""
         started = time.perf_counter()
@@ -119,7 +123,7 @@ class CachedEncoding:
                 raise
 
         results = await each_in_order([decode(item) for item in items])
-        return await self.submit(meta, results, time.perf_counter() - started, waiting)
+        return await self.submit(meta, results, time.perf_counter() - started, waiting, layouts_known)
 
 
 def _store_timeout(store: StoreTier, waiting: SharedDemand, now: float) -> float:

@@ -1,13 +1,14 @@
 """Where an embedding goes and in which frames: destinations, registrations, wire formats.
 
-`Delivery` takes a finished request part and pushes it to its destinations: the `tcp://host:port`
-endpoints the request named (`prefill_host` + `embedding_port`) and the receivers registered for its
-`req_id` through `/scheduler_receive_url` (delivery waits until `receive_count` distinct ones are
-in). An embedding that finished before anyone registered is parked for late registrants. A request
-that names `prefill_host` without `embedding_port` (SGLang's `zmq_to_scheduler` form) goes only to
-its registered receivers, and waits for them up to the send timeout (then 502). When a request fails
-after admission, its destinations get an error message, so prefill ranks never wait for it; a request
-waiting for registrations keeps that message for the receivers that register after it failed.
+`Delivery` (the default `delivery.handover.Handover`) takes a finished request part and pushes it to
+its destinations: the `tcp://host:port` endpoints the request named (`prefill_host` + `embedding_port`)
+and the receivers registered for its `req_id` through `/scheduler_receive_url` (delivery waits until
+`receive_count` distinct ones are in). An embedding that finished before anyone registered is parked for
+late registrants. A request that names `prefill_host` without `embedding_port` (SGLang's
+`zmq_to_scheduler` form) goes only to its registered receivers, and waits for them up to the send
+timeout (then 502). When a request fails after admission, its destinations get an error message, so
+prefill ranks never wait for it; a request waiting for registrations keeps that message for the
+receivers that register after it failed.
 
 What the frames hold is a `WireFormat`'s business (`NativeWire`: a JSON header and the raw bytes,
 docs/CONTRACT.md section 3); moving frames is `delivery.sockets.EmbeddingSender`'s.
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from encode_server.delivery.handover import Destinations, HandedOver, Handover
 from encode_server.delivery.sockets import DeliveryError, EmbeddingSender
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodedPart, EncodeError, PartMeta
@@ -231,8 +233,8 @@ class Registrations:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class Delivery:
-    """Pushes finished parts to their destinations, and failure notices when a part fails."""
+class Delivery(Handover):
+    """The ZMQ hand-over: pushes finished parts to their destinations, and failure notices when a part fails."""
 
     def __init__(self, sender: EmbeddingSender, wire: WireFormat, metrics: ServerMetrics, send_timeout_s: float,
                  registration_ttl_s: float) -> None:
@@ -295,6 +297,14 @@ class Delivery:
         self.metrics.transfer.labels(meta.modality).observe(elapsed)
         self.metrics.bytes_sent.inc(sent)
         return elapsed
+
+    async def hand_over(self, to: Destinations, part: EncodedPart) -> HandedOver:
+        """`deliver` the part to the request's destinations."""
+        return HandedOver(await self.deliver(to.meta, to.endpoints, part, to.inline, to.registered))
+
+    def failed(self, to: Destinations, error: EncodeError) -> None:
+        if error.status != 502:  # 502: they could not be reached (and `deliver` told those it could)
+            self.notify_failure(to.meta, to.endpoints, error, to.registered)
 
     def notify_failure(self, meta: PartMeta, endpoints: Sequence[str], error: EncodeError,
                        await_registrations: bool = False) -> None:

@@ -19,13 +19,13 @@ import pytest
 import soundfile
 import torch
 
+from encode_server.assembly import build_service
 from encode_server.delivery.native_wire import NativeWire
 from encode_server.delivery.sglang_wire import SglangWire, seconds_per_grid_step
 from encode_server.delivery.wire import decode_header
 from encode_server.models import BUILTIN_MODELS
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodedPart, PartMeta
-from encode_server.service import EncoderService
 from tests.support.checkpoints.qwen_omni import sample_audio, sample_clips
 from tests.support.sglang_frames import load
 
@@ -110,7 +110,7 @@ def png_b64(image) -> str:
 
 async def test_one_server_answers_all_three_modalities_with_their_own_row_widths(adapters):
     adapter = adapters["tiny-qwen3-omni"]
-    service = EncoderService(Settings(model="tiny-qwen3-omni"), adapter)
+    service = build_service(Settings(model="tiny-qwen3-omni"), adapter)
     await service.start()
     try:
         clip = sample_audio("qwen3_omni_moe")[3]

@@ -585,7 +585,7 @@ def test_server_with_workers_fails_bad_items_alone_and_survives_a_killed_worker(
 
 
 def test_which_servers_get_a_pool(adapters):
-    from encode_server.service import make_preprocess_pool
+    from encode_server.assembly import make_preprocess_pool
 
     qwen = adapters["tiny-qwen2.5-vl"]
     assert make_preprocess_pool(Settings(), qwen, LIMITS) is None  # the default: in-process

@@ -27,6 +27,7 @@ LAYERS = [
     {"preprocessing"},
     {"engine", "cache", "admission", "responses"},
     {"service"},
+    {"assembly"},  # builds the service's parts; the runtime uses it
     {"fronts"},  # what every front shares: the `Front` shape, reading bodies
     FRONTS,
     {"runtime"},

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from encode_server.assembly import build_service
 from encode_server.fronts.native.routes import CLIENT_CLOSED, answer_encode
 from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings
@@ -237,7 +238,7 @@ async def test_disconnected_client_is_dropped_before_the_encoder(holding):
 
 
 async def test_the_embedding_is_what_the_encoder_computes_for_the_item_alone(adapter):
-    service = EncoderService(dataclasses.replace(HOLDING, max_wait_ms=0, min_batch_size=1), adapter)
+    service = build_service(dataclasses.replace(HOLDING, max_wait_ms=0, min_batch_size=1), adapter)
     await service.start()
     try:
         response = await service.encode(body("alone", return_embedding=True))
@@ -252,7 +253,7 @@ async def test_the_embedding_is_what_the_encoder_computes_for_the_item_alone(ada
 
 
 async def test_batching_off_runs_one_request_per_forward(adapter):
-    service = EncoderService(Settings(enable_dynamic_batching=False), adapter)
+    service = build_service(Settings(enable_dynamic_batching=False), adapter)
     await service.start()
     try:
         before = forwards(service)
@@ -270,7 +271,7 @@ async def test_deepstack_rows_are_announced_in_the_response_and_the_zmq_header()
     adapter = load_adapter("tiny-qwen3-vl", "cpu", "float32")
     k = adapter.info.deepstack
     assert k > 0
-    service = EncoderService(Settings(model="tiny-qwen3-vl"), adapter)
+    service = build_service(Settings(model="tiny-qwen3-vl"), adapter)
     await service.start()
     try:
         with EmbeddingReceiver() as receiver:

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
+from encode_server.assembly import batch_policy
 from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings, load_settings
 from encode_server.records import EncodeError
-from encode_server.service import batch_policy
 from tests.support.fakes import until
 from tests.support.service import HOLDING, body, started_service
 

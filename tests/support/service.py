@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import zlib
 
+from encode_server.assembly import build_service
 from encode_server.ops.settings import Settings
-from encode_server.service import EncoderService
 from tests.support.fakes import FakeClock
 from tests.support.helpers import image_b64
 
@@ -32,7 +32,7 @@ def body(req_id: str, **extra) -> dict:
 async def started_service(settings: Settings, adapter):
     """A started service on a fake clock, and the clock; the first health probe has already run."""
     clock = FakeClock()
-    service = EncoderService(settings, adapter, clock=clock)
+    service = build_service(settings, adapter, clock=clock)
     await service.start()
     try:
         for _ in range(200):  # the first probe runs through the real encoder threads

@@ -153,5 +153,5 @@ class NativeFront(Front):
             return await small_json(request, "a registration is a small JSON object: req_id, receive_url, "
                                              "receive_count", request.app.state.service.register_receiver)
 
-    def wrap(self, asgi: Any) -> Any:
+    def wrap(self, asgi: FastAPI) -> EncodeFastPath:
         return EncodeFastPath(asgi, self.max_request_bytes)

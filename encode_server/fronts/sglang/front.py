@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from encode_server.delivery.destinations import Delivery
+from encode_server.delivery.handover import Handover
 from encode_server.fronts.base import Front
 from encode_server.fronts.bodies import small_json
 from encode_server.fronts.sglang.mooncake import SglangMooncakeStager
 from encode_server.fronts.sglang.registry import SglangRegistry
+from encode_server.models import EncoderAdapter
 from encode_server.ops.setting_values import advertised_url, registry_urls
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
@@ -19,7 +21,7 @@ from encode_server.service import EncoderService
 
 
 class SglangFront(Front):
-    """With `--encoder-transfer-backend mooncake`, the stager (the service's `stager`: rows staged for the
+    """With `--encoder-transfer-backend mooncake`, the stager (the server's hand-over: rows staged for the
     receivers to pull) and its routes; with `--register-with`, the registration, withdrawn as soon as the
     service starts draining."""
 
@@ -48,11 +50,15 @@ class SglangFront(Front):
             return await small_json(request, "a send is a small JSON object",
                                     lambda payload: stager(request).send(payload))
 
+    async def handover(self, adapter: EncoderAdapter, delivery: Delivery) -> Handover | None:
+        if self.settings.encoder_transfer_backend != "mooncake":
+            return None
+        self.stager = await asyncio.to_thread(SglangMooncakeStager.from_settings, self.settings, adapter, delivery)
+        return self.stager
+
     async def start(self, service: EncoderService) -> None:
         settings = self.settings
-        if settings.encoder_transfer_backend == "mooncake":
-            self.stager = await asyncio.to_thread(SglangMooncakeStager.from_settings, settings, service.adapter)
-            service.stager = self.stager
+        if self.stager is not None:
             service.metrics.watch_transport(self.stager)
         if settings.register_with:
             self.registry = SglangRegistry(registry_urls(settings.register_with),
@@ -71,7 +77,7 @@ class SglangFront(Front):
         if self.stager is not None:
             self.stager.close()
 
-    def transport(self) -> dict[str, Any]:
+    def transport(self) -> dict[str, object]:
         if self.stager is not None:
             return {"sglang": self.stager.info()}
         return {"sglang": {"backend": self.settings.encoder_transfer_backend,

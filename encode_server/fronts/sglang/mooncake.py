@@ -27,15 +27,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from encode_server.delivery.handover import Destinations, HandedOver, Handover
 from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.delivery.sockets import EmbeddingSender, check_endpoint
-from encode_server.records import EncodedPart, EncodeError, PartMeta
+from encode_server.models import EncoderAdapter, ItemLayout
+from encode_server.ops.settings import Settings
+from encode_server.records import EncodedPart, EncodeError, LayoutsKnown, PartMeta
 from encode_server.transport.mooncake import MooncakeEngine
 from encode_server.transport.registered import RegistrationRefused
 
@@ -54,12 +58,16 @@ class _Staged:
     done: set[str] = field(default_factory=set)
 
 
-class SglangMooncakeStager:
-    """The `EncoderService.stager` of `--encoder-transfer-backend mooncake`; see the module docstring."""
+class SglangMooncakeStager(Handover):
+    """The hand-over of `--encoder-transfer-backend mooncake` (see the module docstring): each part's rows
+    staged for its receiver ranks to pull. Parts whose caller takes the rows inline (`return_embedding`) go
+    to `inline` (the ZMQ delivery) instead, which also hears of every failure."""
 
-    def __init__(self, hostname: str, protocol: str, limit_bytes: int, device_name: str, row_width: Any,
-                 dtype: torch.dtype, embedding_class: str, video_fps: float, seconds_per_grid_step: float | None,
-                 wait_timeout_s: float, send_timeout_s: float) -> None:
+    def __init__(self, hostname: str, protocol: str, limit_bytes: int, device_name: str,
+                 row_width: Callable[[str], int], dtype: torch.dtype, embedding_class: str, video_fps: float,
+                 seconds_per_grid_step: float | None, wait_timeout_s: float, send_timeout_s: float,
+                 inline: Handover) -> None:
+        self.inline = inline
         self.engine = MooncakeEngine(hostname, protocol, limit_bytes, name=NAME, device_name=device_name)
         self.row_width = row_width  # modality -> row width
         self.dtype = dtype
@@ -73,13 +81,14 @@ class SglangMooncakeStager:
         self.open_reservations = 0  # no reservations in this protocol: the receivers own their buffers
 
     @classmethod
-    def from_settings(cls, settings, adapter) -> SglangMooncakeStager:
+    def from_settings(cls, settings: Settings, adapter: EncoderAdapter, inline: Handover) -> SglangMooncakeStager:
         from encode_server.delivery.sglang_wire import seconds_per_grid_step
 
         return cls(settings.transfer_host, settings.mooncake_protocol, settings.mooncake_registered_bytes,
                    settings.disaggregation_ib_device or "", adapter.info.row_width_of, adapter.dtype,
                    settings.sglang_embedding_class, settings.video_fps,
-                   seconds_per_grid_step(adapter, settings.video_fps), settings.req_timeout_s, settings.send_timeout_s)
+                   seconds_per_grid_step(adapter, settings.video_fps), settings.req_timeout_s, settings.send_timeout_s,
+                   inline)
 
     @property
     def stats(self):
@@ -105,9 +114,24 @@ class SglangMooncakeStager:
                 self._sweeper = asyncio.ensure_future(self._sweep())
         return part
 
-    # --- called by the service, on the HTTP loop -------------------------------------------------
+    # --- the hand-over, called by the service on the HTTP loop -----------------------------------
 
-    def publish(self, meta: PartMeta, layouts: list[Any]) -> None:
+    def layouts_known(self, to: Destinations) -> LayoutsKnown | None:
+        if to.inline:
+            return None
+        return lambda layouts: self.publish(to.meta, layouts)
+
+    async def hand_over(self, to: Destinations, part: EncodedPart) -> HandedOver:
+        if to.inline:  # rows asked for inline are not staged
+            return await self.inline.hand_over(to, part)
+        return HandedOver(fields=self.stage(to.meta, part))
+
+    def failed(self, to: Destinations, error: EncodeError) -> None:
+        if not to.inline:
+            self.fail(to.meta, error)
+        self.inline.failed(to, error)
+
+    def publish(self, meta: PartMeta, layouts: Sequence[ItemLayout]) -> None:
         """The part's sizes, from its items' layouts."""
         part = self._part(meta.req_id)
         if part.sizes.done():
@@ -117,7 +141,7 @@ class SglangMooncakeStager:
         part.sizes.set_result({"embedding_size": rows * width * self.dtype.itemsize, "embedding_len": rows,
                                "embedding_dim": width})
 
-    def stage(self, meta: PartMeta, encoded: EncodedPart) -> dict[str, Any]:
+    def stage(self, meta: PartMeta, encoded: EncodedPart) -> dict[str, int]:
         """Keep the part's rows for its receivers; the fields `/encode` adds to its answer."""
         part = self._part(meta.req_id)
         rows = encoded.embedding.detach().to("cpu").contiguous()
