@@ -153,14 +153,6 @@ class CostModel:
         costs = self._modalities.get(modality)
         return None if costs is None else costs.arrivals.rate(now)
 
-    def predict_seconds(self, modality: str, tokens: int) -> float | None:
-        """The expected forward time of a batch of `tokens` output tokens, or None until learned."""
-        costs = self._modalities.get(modality)
-        coefficients = None if costs is None else costs.fit.coefficients()
-        if coefficients is None:
-            return None
-        return coefficients[0] + coefficients[1] * tokens
-
     def summary(self, max_batch_size: int, now: float) -> dict[str, dict]:
         """The learned curve per modality, as `/v1/performance` shows it under `cost_model`."""
         sizes = sorted({size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256) if size < max_batch_size}

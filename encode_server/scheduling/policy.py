@@ -202,12 +202,6 @@ def form_batch(modality: str, queue: Sequence[QueuedView], now: float, policy: B
     return positions, len(positions) >= cap
 
 
-def batch_prefix(queue: Sequence[QueuedView], policy: BatchPolicy) -> tuple[int, bool]:
-    """How many requests from the head fit one batch, and whether that batch is full (no promotions)."""
-    positions, full = form_batch("image", queue, -math.inf, policy, 0.0)
-    return len(positions), full
-
-
 def adaptive_dispatch_time(modality: str, size: int, oldest: float, policy: BatchPolicy,
                            costs: CostEstimates | None, now: float, tokens: int = 0) -> float | None:
     """When to dispatch a batch of `size` requests under `--max-wait-ms auto`; None: at once.
@@ -279,12 +273,6 @@ def _plan(modality: str, queue: Sequence[QueuedView], now: float, policy: BatchP
         return _Plan(dispatch, rank)
     until = wait_deadline if len(queue) >= policy.min_batch_size else hard_deadline
     return _Plan(Sleep(until=min(until, promote_at)))
-
-
-def decide_modality(modality: str, queue: Sequence[QueuedView], now: float, policy: BatchPolicy,
-                    costs: CostEstimates | None = None) -> Decision:
-    """The decision for one modality's queue (in `queue_key` order)."""
-    return _plan(modality, queue, now, policy, costs).decision
 
 
 def decide(queues: Mapping[str, Sequence[QueuedView]], now: float, policy: BatchPolicy,

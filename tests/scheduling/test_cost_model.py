@@ -39,7 +39,9 @@ def test_learns_an_exact_linear_curve():
     fixed_s, per_request_s = model.curve("image")
     assert fixed_s == pytest.approx(0.004)
     assert per_request_s == pytest.approx(0.0004)
-    assert model.predict_seconds("image", 100) == pytest.approx(0.014)
+    learned = model.summary(max_batch_size=4, now=0.0)["image"]
+    assert learned["fixed_ms"] == pytest.approx(4.0) and learned["per_token_us"] == pytest.approx(100.0)
+    assert learned["curve"][-1]["forward_ms"] == pytest.approx(4.0 + 0.4 * 4)
 
 
 def test_learns_a_noisy_curve_within_tolerance():

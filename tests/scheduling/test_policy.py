@@ -22,10 +22,8 @@ from encode_server.scheduling.policy import (
     QueuedView,
     Sleep,
     adaptive_dispatch_time,
-    batch_prefix,
     deadline_margin,
     decide,
-    decide_modality,
     form_batch,
     is_urgent,
     queue_key,
@@ -38,51 +36,63 @@ def queue(*arrivals: float, tokens: int = 4) -> list[QueuedView]:
     return [QueuedView(arrival=a, tokens=tokens) for a in arrivals]
 
 
+def decide_one(modality: str, views: list[QueuedView], now: float, policy: BatchPolicy) -> Dispatch | Sleep:
+    """`decide` with one modality queued."""
+    return decide({modality: views}, now=now, policy=policy)
+
+
+def batch_prefix(views: list[QueuedView], policy: BatchPolicy) -> tuple[int, bool]:
+    """How many requests from the head `form_batch` takes with nobody urgent, and whether the batch is full."""
+    positions, full = form_batch("image", views, -math.inf, policy, 0.0)
+    assert positions == list(range(len(positions)))  # no promotion: the head of the order
+    return len(positions), full
+
+
 # --- rule 1: size trigger -------------------------------------------------------------------------
 
 def test_full_batch_dispatches_at_once_even_before_max_wait():
     policy = BatchPolicy(max_batch_size=4, max_wait_s=10.0, min_batch_size=4)
-    assert decide_modality("image", queue(0, 0, 0, 0, 0, 0), now=0.0, policy=policy) == Dispatch("image", 4)
+    assert decide_one("image", queue(0, 0, 0, 0, 0, 0), now=0.0, policy=policy) == Dispatch("image", 4)
 
 
 def test_one_short_of_max_batch_waits_for_max_wait():
     policy = BatchPolicy(max_batch_size=4, max_wait_s=0.5, min_batch_size=1)
-    assert decide_modality("image", queue(0, 0, 0), now=0.1, policy=policy) == Sleep(until=0.5)
+    assert decide_one("image", queue(0, 0, 0), now=0.1, policy=policy) == Sleep(until=0.5)
 
 
 # --- rule 2: max wait with min batch --------------------------------------------------------------
 
 def test_after_max_wait_with_min_batch_dispatches_all():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=0.1, min_batch_size=3)
-    assert decide_modality("image", queue(0, 0.05, 0.08), now=0.1, policy=policy) == Dispatch("image", 3)
+    assert decide_one("image", queue(0, 0.05, 0.08), now=0.1, policy=policy) == Dispatch("image", 3)
 
 
 def test_max_wait_is_measured_from_the_oldest_request():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=0.1)
-    assert decide_modality("image", queue(1.0, 1.09), now=1.099, policy=policy) == Sleep(until=pytest.approx(1.1))
-    assert decide_modality("image", queue(1.0, 1.09), now=1.1, policy=policy) == Dispatch("image", 2)
+    assert decide_one("image", queue(1.0, 1.09), now=1.099, policy=policy) == Sleep(until=pytest.approx(1.1))
+    assert decide_one("image", queue(1.0, 1.09), now=1.1, policy=policy) == Dispatch("image", 2)
 
 
 def test_before_max_wait_with_min_batch_reached_still_waits():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=0.2, min_batch_size=2)
-    assert decide_modality("image", queue(0, 0, 0), now=0.1, policy=policy) == Sleep(until=0.2)
+    assert decide_one("image", queue(0, 0, 0), now=0.1, policy=policy) == Sleep(until=0.2)
 
 
 # --- rule 3: hard timeout -------------------------------------------------------------------------
 
 def test_below_min_batch_keeps_waiting_until_hard_timeout():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=0.1, min_batch_size=5, hard_timeout_additional_s=1.0)
-    assert decide_modality("image", queue(0, 0), now=0.5, policy=policy) == Sleep(until=pytest.approx(1.1))
+    assert decide_one("image", queue(0, 0), now=0.5, policy=policy) == Sleep(until=pytest.approx(1.1))
 
 
 def test_hard_timeout_dispatches_however_few():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=0.1, min_batch_size=5, hard_timeout_additional_s=1.0)
-    assert decide_modality("image", queue(0, 0.9), now=1.1, policy=policy) == Dispatch("image", 2)
+    assert decide_one("image", queue(0, 0.9), now=1.1, policy=policy) == Dispatch("image", 2)
 
 
 def test_zero_waits_dispatch_immediately():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=0.0, min_batch_size=1)
-    assert decide_modality("image", queue(5.0), now=5.0, policy=policy) == Dispatch("image", 1)
+    assert decide_one("image", queue(5.0), now=5.0, policy=policy) == Dispatch("image", 1)
 
 
 # --- the token cap --------------------------------------------------------------------------------
@@ -91,7 +101,7 @@ def test_token_cap_limits_the_prefix_and_counts_as_full():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=10.0, max_batch_tokens=10)
     views = [QueuedView(0, 4), QueuedView(0, 4), QueuedView(0, 4)]
     assert batch_prefix(views, policy) == (2, True)
-    assert decide_modality("audio", views, now=0.0, policy=policy) == Dispatch("audio", 2)
+    assert decide_one("audio", views, now=0.0, policy=policy) == Dispatch("audio", 2)
 
 
 def test_token_cap_exact_fit_is_not_full_until_more_arrive():
@@ -102,7 +112,7 @@ def test_token_cap_exact_fit_is_not_full_until_more_arrive():
 def test_single_request_above_the_token_cap_runs_alone():
     policy = BatchPolicy(max_batch_size=32, max_batch_tokens=10)
     assert batch_prefix([QueuedView(0, 50), QueuedView(0, 1)], policy) == (1, True)
-    assert decide_modality("image", [QueuedView(0, 50)], now=0.0, policy=policy) == Dispatch("image", 1)
+    assert decide_one("image", [QueuedView(0, 50)], now=0.0, policy=policy) == Dispatch("image", 1)
 
 
 def test_no_token_cap_when_zero():
@@ -114,13 +124,13 @@ def test_no_token_cap_when_zero():
 
 def test_video_goes_one_at_a_time():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=1.0, min_batch_size=8)
-    assert decide_modality("video", queue(0, 0, 0), now=0.0, policy=policy) == Dispatch("video", 1)
+    assert decide_one("video", queue(0, 0, 0), now=0.0, policy=policy) == Dispatch("video", 1)
     assert "video" not in FUSABLE_MODALITIES and {"image", "audio"} <= FUSABLE_MODALITIES
 
 
 def test_batching_off_is_one_request_per_forward_immediately():
     policy = BatchPolicy(max_batch_size=32, max_wait_s=5.0, min_batch_size=8, dynamic_batching=False)
-    assert decide_modality("image", queue(0, 0, 0), now=0.0, policy=policy) == Dispatch("image", 1)
+    assert decide_one("image", queue(0, 0, 0), now=0.0, policy=policy) == Dispatch("image", 1)
 
 
 def test_empty_queue_sleeps_until_an_arrival():
