@@ -28,6 +28,7 @@ from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, de
 from encode_server.cache.cached_encoding import CachedEncoding
 from encode_server.cache.embedding_cache import EmbeddingCache
 from encode_server.cache.store_client import StoreConnection
+from encode_server.cache.store_tier import row_widths
 from encode_server.delivery.destinations import Delivery
 from encode_server.delivery.handover import Destinations, Handover
 from encode_server.delivery.sockets import check_endpoint
@@ -378,7 +379,7 @@ class EncoderService:
             "settings": self.settings.public_dict(),
             "model": {"name": info.name, "family": info.family, "modalities": list(info.modalities),
                       "hidden_size": info.hidden_size, "deepstack": info.deepstack, "row_width": info.row_width,
-                      "row_widths": {modality: info.row_width_of(modality) for modality in info.modalities},
+                      "row_widths": row_widths(info),
                       **({"placeholder_tokens": info.placeholder_tokens} if info.placeholder_tokens else {}),
                       "device": str(self.adapter.device),
                       "dtype": DTYPE_NAMES[self.adapter.dtype]},

@@ -28,6 +28,7 @@ from encode_server.cache import store_format
 from encode_server.cache.embedding_cache import CachedItem
 from encode_server.cache.store_client import StoreConfig, StoreConnection
 from encode_server.cache.store_format import CorruptObject, Namespace
+from encode_server.models import ModelInfo
 from encode_server.ops.setting_values import parse_store_url
 
 log = logging.getLogger("encode_server.cache.store")
@@ -116,9 +117,9 @@ class StoreTier:
         return self.connection.publish(objects)
 
 
-def row_widths(info: Any) -> dict[str, int]:
-    """Modality -> the width of the rows a model's `ModelInfo` says it produces."""
-    return {modality: info.hidden_size * (1 + info.deepstack_of(modality)) for modality in info.modalities}
+def row_widths(info: ModelInfo) -> dict[str, int]:
+    """Modality -> the width of the rows a model's `ModelInfo` says it produces (`ModelInfo.row_width_of`)."""
+    return {modality: info.row_width_of(modality) for modality in info.modalities}
 
 
 def store_config(settings: Any) -> StoreConfig:
