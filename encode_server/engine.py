@@ -1,8 +1,8 @@
 """Runs batches off the event loop, in two overlapped stages.
 
-Stage one (one thread) calls the processor once for all items of a batch; stage two (another
-thread) runs the encoder forward. While batch N is in the forward, batch N+1 is being preprocessed,
-so the device does not wait for the CPU. The processor's thread queues its batch for the forward
+Stage one (the processor's thread) calls the model's processor once for all items of a batch; stage
+two (the forward's thread) runs the encoder forward. While batch N is in the forward, batch N+1 is in
+the processor, so the device does not wait for the CPU. The processor's thread queues its batch for the forward
 itself, so the next forward never waits for the event loop's turn. After the forward, the adapter
 slices the rows once, per request, by the model's own grid (checked against the forward's row
 count), and each job gets an `EncodedPart` holding its view of the batch's rows.
@@ -11,7 +11,7 @@ A batch that fails as a whole is retried one request at a time, so a request the
 model chokes on fails alone and never its neighbours.
 
 With a `PreprocessPool` (`--preprocess-workers`), stage one is the pool instead: the batch's items
-(their raw bytes) are decoded and preprocessed one per worker process, in parallel, and `collate`d
+(their raw bytes) are decoded and put through the processor one per worker process, in parallel, and `collate`d
 in order in the forward's thread just before the forward. An item a worker cannot prepare fails its
 own request (400 from the decoder or processor, 500 when its worker died twice on it); the other
 requests of the batch go on without it.
@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -40,6 +40,9 @@ from encode_server.models import EncoderAdapter, ItemLayout, PreparedBatch
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.thread_names import name_os_thread
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
+
+if TYPE_CHECKING:
+    from encode_server.preprocessing.pool import PreprocessPool
 
 log = logging.getLogger("encode_server.engine")
 T = TypeVar("T")
@@ -73,21 +76,21 @@ class EncoderEngine:
     batches over whole copies of the encoder; without it every batch runs here."""
 
     def __init__(self, adapter: EncoderAdapter, metrics: ServerMetrics, replicas: Any = None,
-                 preprocessor: Any = None) -> None:
+                 preprocess_pool: PreprocessPool | None = None) -> None:
         self.adapter = adapter
         self.metrics = metrics
         self.replicas = replicas
-        self.preprocessor = preprocessor  # a preprocess_pool.PreprocessPool, or None: preprocess in a thread here
+        self.preprocess_pool = preprocess_pool  # worker processes, or None: the processor runs in a thread here
         # id(job) -> (job, its pool submission): the job is kept so its id cannot be reused while listed
         self._prefetched: dict[int, tuple[EncodeJob, concurrent.futures.Future]] = {}
-        self._preprocess_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-preprocess",
-                                                   initializer=name_os_thread)
+        self._processor_thread = ThreadPoolExecutor(1, thread_name_prefix="encoder-processor",
+                                                    initializer=name_os_thread)
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward", initializer=name_os_thread)
 
     @property
     def can_prefetch(self) -> bool:
         """Whether `prefetch` does anything: a pool prepares items here (not on data-parallel replicas)."""
-        return self.preprocessor is not None and self.replicas is None
+        return self.preprocess_pool is not None and self.replicas is None
 
     def prefetch(self, job: EncodeJob, on_done: Callable[[], None] | None = None) -> bool:
         """Start preparing a queued job's items in the pool as spare work; whether it was started.
@@ -95,7 +98,7 @@ class EncoderEngine:
         `forget_prefetch` if the job leaves the queue without `encode`."""
         if not self.can_prefetch or not self._poolable(job) or id(job) in self._prefetched:
             return False
-        future = self.preprocessor.submit(job.modality, job.raw_items, _locations(job), spare=True)
+        future = self.preprocess_pool.submit(job.modality, job.raw_items, _locations(job), spare=True)
         self._prefetched[id(job)] = (job, future)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
@@ -110,10 +113,10 @@ class EncoderEngine:
         """Drop what `prefetch` started for `job`: items not started are skipped, those done given back."""
         entry = self._prefetched.pop(id(job), None)
         if entry is not None:
-            self.preprocessor.discard(entry[1])
+            self.preprocess_pool.discard(entry[1])
 
     def close(self) -> None:
-        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        self._processor_thread.shutdown(wait=False, cancel_futures=True)
         self._forward_pool.shutdown(wait=False, cancel_futures=True)
 
     async def encode(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
@@ -144,18 +147,18 @@ class EncoderEngine:
         return len(job.raw_items) == len(job.layouts)
 
     async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
-        if self.preprocessor is not None and all(self._poolable(job) for job in jobs):
+        if self.preprocess_pool is not None and all(self._poolable(job) for job in jobs):
             return await self._encode_pooled(modality, jobs)
         for job in jobs:
             self.forget_prefetch(job)
         self.adapter.before_batch(modality, jobs)
         items = [item for job in jobs for item in job.items]
-        stages = self._preprocess_then_forward(modality, items)
+        stages = self._process_then_forward(modality, items)
         prepared, preprocess_s, rows, forward_s = await asyncio.wrap_future(stages)
         self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
         return self._parts(modality, jobs, prepared.layouts, rows, preprocess_s, forward_s, "replica=0")
 
-    def _preprocess_then_forward(self, modality: str, items: list[Any]) -> concurrent.futures.Future:
+    def _process_then_forward(self, modality: str, items: list[Any]) -> concurrent.futures.Future:
         """The processor in its thread, which then hands the batch to the forward's thread itself: the loop
         is woken once per batch, when the forward is done (a wake-up of another thread costs tens of
         microseconds, more on a VM). Resolves to (prepared, processor seconds, rows, forward seconds)."""
@@ -169,7 +172,7 @@ class EncoderEngine:
                 return
             _settle(done, (prepared, preprocess_s, rows, forward_s))
 
-        def preprocess() -> None:
+        def process() -> None:
             try:
                 prepared, preprocess_s = _timed(self.adapter.preprocess, modality, items)
                 # The forward runs even for a batch that does not look right, so that tensor-parallel ranks
@@ -178,7 +181,7 @@ class EncoderEngine:
             except BaseException as exc:  # the processor failed, or the engine is closing
                 _settle(done, exception=exc)
 
-        self._preprocess_pool.submit(preprocess)
+        self._processor_thread.submit(process)
         return done
 
     async def _encode_pooled(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
@@ -200,7 +203,7 @@ class EncoderEngine:
             failure = next((item for item in mine if isinstance(item, ItemFailure)), None)
             if failure is not None:
                 results[index] = EncodeError(failure.status, failure.message, job.req_id)
-                self.preprocessor.release(mine)  # the job's other items are not used
+                self.preprocess_pool.release(mine)  # the job's other items are not used
             else:
                 kept.append(index)
                 batches.extend(mine)
@@ -220,18 +223,18 @@ class EncoderEngine:
         in case they have not started), one submission for the others. Cancelled, it discards them all."""
         ahead = {id(job): self._prefetched.pop(id(job))[1] for job in jobs if id(job) in self._prefetched}
         for future in ahead.values():
-            self.preprocessor.claim(future)
+            self.preprocess_pool.claim(future)
         fresh = [job for job in jobs if id(job) not in ahead]
         submissions = list(ahead.values())
         if fresh:
-            submissions.append(self.preprocessor.submit(
+            submissions.append(self.preprocess_pool.submit(
                 modality, [item for job in fresh for item in job.raw_items],
                 [location for job in fresh for location in _locations(job)]))
         try:
             await asyncio.wait([asyncio.wrap_future(future) for future in submissions])
         except asyncio.CancelledError:
             for future in submissions:
-                self.preprocessor.discard(future)
+                self.preprocess_pool.discard(future)
             raise
         fresh_results = iter(submissions[-1].result() if fresh else ())
         prepared: list[Any] = []
@@ -244,7 +247,7 @@ class EncoderEngine:
         try:
             return self.adapter.forward_items(batches)
         finally:
-            self.preprocessor.release(batches)
+            self.preprocess_pool.release(batches)
 
     def _parts(self, modality: str, jobs: Sequence[EncodeJob], layouts: Sequence[ItemLayout], rows: torch.Tensor,
                preprocess_s: float, forward_s: float, where: str) -> list[EncodedPart]:

@@ -8,7 +8,7 @@
 
 With `--thread-cpu`, each service round also prints the server's CPU per request by thread (from
 `/proc/<pid>/task`, the threads' OS-level names; Linux), which says where a request's time goes without a
-profiler's own cost: `MainThread` is the HTTP event loop, `encoder-forward` the forward, `encoder-preproc` the
+profiler's own cost: `MainThread` is the HTTP event loop, `encoder-forward` the forward, `encoder-process` the
 processor, `encoder-schedul` the scheduler's loop, `media_N` the decode threads.
 
 The two alternate for `--rounds` rounds against one server (a shared machine drifts between minutes, and a

@@ -2,8 +2,8 @@
 can see it (CPython before 3.14 leaves every thread named after the process).
 
 `name_os_thread()` runs in the thread to name (the initializer of a pool, the first line of a thread's
-target). Linux keeps 15 bytes of a name, so the end of a long one is cut (`encoder-preprocess_0` shows as
-`encoder-preproc`). Elsewhere, or when the call fails, nothing happens: a name is never worth an error.
+target). Linux keeps 15 bytes of a name, so the end of a long one is cut (`encoder-processor_0` shows as
+`encoder-process`). Elsewhere, or when the call fails, nothing happens: a name is never worth an error.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ def test_a_thread_takes_its_python_name_cut_to_linux_fifteen_bytes():
         named.set()
         release.wait(5)
 
-    thread = threading.Thread(target=body, name="encoder-preprocess_7")
+    thread = threading.Thread(target=body, name="encoder-processor_7")
     thread.start()
     try:
         assert named.wait(5)
-        assert seen["took"] is True and os_name_of(thread) == "encoder-preproc"
+        assert seen["took"] is True and os_name_of(thread) == "encoder-process"
     finally:
         release.set()
         thread.join()
