@@ -1,6 +1,9 @@
 """The service in-process (no HTTP server, no subprocess): admission's 409 / 503 / 504 / 400 / 413
 paths, disconnects and the hard timeout, on the real built-in encoder and a fake scheduler clock, so
-the rules are asserted without sleeping (docs/CONTRACT.md, sections 2 and 4)."""
+the rules are asserted without sleeping (docs/CONTRACT.md, sections 2 and 4); and the hand-over seam
+(`delivery.handover`): the service tells the one hand-over it was built with each part's layouts before the
+forward (only when one job holds all of the part's items), hands it the rows with the destinations the request
+named, adds the fields it returns to the response, and tells it of failures."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ import torch
 from PIL import Image
 
 from encode_server.assembly import build_service
+from encode_server.delivery.handover import Destinations, HandedOver, Handover
 from encode_server.fronts.native.routes import CLIENT_CLOSED, answer_encode
 from encode_server.models import load_adapter
 from encode_server.ops.settings import Settings
-from encode_server.records import EncodeError
+from encode_server.records import EncodedPart, EncodeError, LayoutsKnown
 from encode_server.service import EncoderService
 from tests.support.fakes import settle, until
 from tests.support.helpers import image_b64
@@ -287,3 +291,56 @@ async def test_deepstack_rows_are_announced_in_the_response_and_the_zmq_header()
     assert received.main.shape == (response["embedding_shape"][0], adapter.info.hidden_size)
     assert len(received.deepstack) == k
     assert torch.equal(received.deepstack[-1], received.tensor[:, -adapter.info.hidden_size:])
+
+
+# --- the hand-over seam (`delivery.handover`) ---------------------------------------------------
+
+class Recording(Handover):
+    """A hand-over that stages nothing and records what the service told it, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def layouts_known(self, to: Destinations) -> LayoutsKnown | None:
+        if to.inline:
+            return None
+        return lambda layouts: self.events.append(("layouts", to.meta.req_id, [layout.tokens for layout in layouts]))
+
+    async def hand_over(self, to: Destinations, part: EncodedPart) -> HandedOver:
+        self.events.append(("rows", to.meta.req_id, int(part.embedding.shape[0]), to.endpoints, to.inline,
+                            to.registered))
+        return HandedOver(fields={"handed_over_by": "recording"})
+
+    def failed(self, to: Destinations, error: EncodeError) -> None:
+        self.events.append(("failed", to.meta.req_id, error.status))
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 24], ids=["cache-off", "cache-on"])
+async def test_the_service_hands_every_part_to_the_handover_it_was_built_with(adapter, cache_bytes):
+    handover = Recording()
+    prompt = dataclasses.replace(HOLDING, max_wait_ms=0, min_batch_size=1, cache_bytes=cache_bytes)
+    service = build_service(prompt, adapter, handover=handover)
+    await service.start()
+    try:
+        staged = await service.encode(body("staged", prefill_host="127.0.0.1"))  # receivers that register
+        assert staged["handed_over_by"] == "recording" and staged["items"][0]["tokens"] == 4
+        assert handover.events == [("layouts", "staged", [4]), ("rows", "staged", 4, (), False, True)]
+        handover.events.clear()
+
+        inline = await service.encode(body("inline", return_embedding=True))
+        assert "embedding" in inline and inline["handed_over_by"] == "recording"
+        assert handover.events == [("rows", "inline", 4, (), True, False)]  # nobody waits for the layouts
+        handover.events.clear()
+
+        again = {"req_id": "again", "modality": "image", "mm_items": [image_of("staged")]}
+        await service.encode(again)
+        hit = [("rows", "again", 4, (), False, False)]  # a hit: no job, so no layouts before it
+        assert handover.events == (hit if cache_bytes else [("layouts", "again", [4]), *hit])
+        handover.events.clear()
+
+        with pytest.raises(EncodeError) as bad:
+            await service.encode({"req_id": "bad", "modality": "image", "mm_items": ["bm90IGFuIGltYWdl"]})
+        assert bad.value.status == 400
+        assert handover.events == [("failed", "bad", 400)]
+    finally:
+        await service.stop()

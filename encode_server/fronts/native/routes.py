@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -34,10 +33,10 @@ CLIENT_CLOSED = 499
 
 async def answer_encode(service: EncoderService, limit: int, declared_length: str | None,
                         chunks: AsyncIterator[bytes], hangup: Callable[[], Awaitable[None]],
-                        ) -> tuple[int, dict[str, Any], dict[str, str]]:
+                        ) -> tuple[int, dict[str, object], dict[str, str]]:
     """One whole `/encode` exchange: (status, JSON body, headers). The request is raced against
     `hangup`, so a client that goes away never costs an encoder forward."""
-    payload: Any = None
+    payload: object = None
     hung_up = False
     try:
         body = await read_limited(declared_length, chunks, limit)
