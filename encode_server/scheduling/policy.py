@@ -84,7 +84,7 @@ def queue_key(view: QueuedView) -> tuple[float, float, float]:
 @dataclass(frozen=True)
 class BatchPolicy:
     """The batching knobs, in seconds and counts (defaults: the settings table's; a server builds its
-    policy from its settings with `service.batch_policy`)."""
+    policy from its settings with `assembly.batch_policy`)."""
 
     max_batch_size: int = SETTING_DEFAULTS["max_batch_size"]
     max_wait_s: float = SETTING_DEFAULTS["max_wait_ms"] / 1000.0
