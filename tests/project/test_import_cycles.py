@@ -13,6 +13,7 @@ replaced one without the other, which is the circle this test is about. The impl
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,8 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+@functools.cache  # parsed once for this module's tests
+def import_graph() -> dict[str, frozenset[str]]:
     """Module -> the modules of `encode_server` it imports. `from package import name` is an edge to the
     submodule `package.name` when there is one, else to the package; `import a.b.c` to the longest prefix
     that is a module."""
@@ -60,10 +62,10 @@ def import_graph() -> dict[str, set[str]]:
                 found = module_of(target) if target.startswith("encode_server") else None
                 if found is not None and found != name:
                     graph[name].add(found)
-    return graph
+    return {name: frozenset(targets) for name, targets in graph.items()}
 
 
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+def circles(graph: dict[str, frozenset[str]] | dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
