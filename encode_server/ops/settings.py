@@ -592,9 +592,12 @@ def _env_default(option: Option, environ: Mapping[str, str]) -> Any:
         if raw is not None and raw != "":
             try:
                 value = parse_value(option, raw)
-                option.validate(value)
             except ValueError as exc:
                 raise SystemExit(f"encode-server: bad value for {name} ({option.flag}): {exc}") from None
+            try:
+                option.validate(value)
+            except ValueError as exc:  # its message names the flag
+                raise SystemExit(f"encode-server: bad value for {name}: {exc}") from None
             return value
     return option.default
 
