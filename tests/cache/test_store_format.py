@@ -191,8 +191,11 @@ def test_settings_refuse_what_cannot_work(monkeypatch):
     from encode_server.runtime import StartError, check_libraries
 
     settings = Settings(cache_store="mooncake://host:50051")  # values only: no library is probed here
-    with pytest.raises(StartError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1"):
-        check_libraries(settings)  # the store tier's need, asked at start-up
+    with pytest.raises(StartError, match=r"^--cache-store \(Mooncake Store's client\) needs the mooncake library.*"
+                                         r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1") as refused:
+        check_libraries(settings)  # the store tier's need, asked at start-up, before the model loads
+    assert "\n" not in str(refused.value)
+    check_libraries(Settings())  # nothing asked for, nothing needed
 
 
 def test_the_dashboard_reads_only_series_the_tier_exports():
