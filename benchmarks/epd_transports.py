@@ -43,11 +43,10 @@ def main() -> int:
     import torch
     from safetensors.torch import load_file
 
-    from encode_server.fronts.vllm.cpu_connector import compatibility_hash
     from encode_server.receiver import EmbeddingReceiver
     from encode_server.transport.nixl import quiet_ucx_exit
     from tests.support.helpers import ServerProcess, free_port, png_bytes
-    from tests.support.nixl_consumer import NixlConsumer
+    from tests.support.nixl_consumer import NixlConsumer, consumer_compatibility_hash
 
     quiet_ucx_exit()
     side = free_port()
@@ -62,7 +61,7 @@ def main() -> int:
     mismatches = 0
     with nixl_server, files_server, EmbeddingReceiver(port=free_port()) as receiver:
         info = httpx.get(f"{nixl_server.url}/server_info").json()["transport"]["vllm"]
-        consumer = NixlConsumer(info["block_size_bytes"], compatibility_hash(*info["compatibility"]))
+        consumer = NixlConsumer(info["block_size_bytes"], consumer_compatibility_hash(*info["compatibility"]))
         client = httpx.Client(timeout=120)
 
         def chat(url: str, image: bytes) -> dict:

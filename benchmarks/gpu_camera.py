@@ -12,7 +12,7 @@ blocks 7/15/23/31), random weights with a fixed seed, bfloat16; the images are t
   weights (the smallest batch size only); both with the transfers (host pixels in, host rows out, as the
   server does) and on device-resident pixels (the compute alone).
 - `profile`: torch.profiler over one forward of eight images, the top kernels to `profile.txt`.
-- `service`: the HTTP server (`python -m encode_server.bench.camera --mode service --tower 7b`) closed loop
+- `service`: the HTTP server (`python benchmarks/camera.py --mode service --tower 7b`) closed loop
   with 0, 4 and 15 preprocessing workers, and with `--preprocess-device cuda`.
 
     PYTHONPATH=$PWD THP_MEM_ALLOC_ENABLE=1 python benchmarks/gpu_camera.py --parts forward,service \
@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from encode_server.bench.camera import camera_checkpoint, camera_jpegs, checkpoint_folder  # noqa: E402
+from benchmarks.camera import camera_checkpoint, camera_jpegs, checkpoint_folder  # noqa: E402
 
 
 def emit(result: dict, out: str | None) -> None:
@@ -201,7 +201,7 @@ def service_part(workers: list[int], gpu_preprocess: bool, concurrency: int, req
     if gpu_preprocess:
         runs.append((0, ["--server-arg=--preprocess-device=cuda"]))
     for count, extra in runs:
-        command = [sys.executable, "-m", "encode_server.bench.camera", "--mode", "service", "--tower", "7b",
+        command = [sys.executable, "-m", "benchmarks.camera", "--mode", "service", "--tower", "7b",
                    "--workers", str(count), "--concurrency", str(concurrency), "--requests", str(requests), *extra]
         started = time.perf_counter()
         try:

@@ -67,9 +67,14 @@ def serve(argv: Sequence[str] | None = None) -> None:
 
     from encode_server.http.app import create_app
     from encode_server.http.draining import DrainingServer
-    from encode_server.runtime import StartError, load_encoder
+    from encode_server.runtime import StartError, check_libraries, load_encoder
 
     route_library_logs()  # transformers and the Hub client are imported now: their lines get our format too
+    try:  # before the model loads, as a bad value is refused: one line, status 2
+        check_libraries(settings)
+    except StartError as exc:
+        sys.stderr.write(f"encode-server: error: {exc}\n")
+        sys.exit(2)
     set_cpu_threads(settings, max(settings.tp_size, settings.dp_size))
     try:
         adapter, group = load_encoder(settings)

@@ -19,6 +19,7 @@ import time
 
 import encode_server
 from encode_server.assembly import build_service, zmq_delivery
+from encode_server.cache.store_client import libraries_needed as store_libraries
 from encode_server.delivery.destinations import Delivery
 from encode_server.delivery.handover import Handover
 from encode_server.fronts.base import Front
@@ -26,6 +27,7 @@ from encode_server.fronts.native.routes import NativeFront
 from encode_server.fronts.sglang.front import SglangFront
 from encode_server.fronts.vllm.front import VllmFront
 from encode_server.models import DTYPE_NAMES, EncoderAdapter
+from encode_server.ops.libraries import MissingLibrary, require
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import WorkerGroup
@@ -36,6 +38,17 @@ log = logging.getLogger("encode_server.startup")
 
 class StartError(Exception):
     """The server cannot start with these settings; the message names what is wrong and the fix."""
+
+
+def check_libraries(settings: Settings) -> None:
+    """Every optional library these settings ask for is installed: each component that needs one says which
+    (the shared cache tier, the SGLang front's mooncake backend), and a missing one is a `StartError` in one line
+    naming what asked for it and the install, before the model loads. (The settings check values only.)"""
+    for library, wanted_by in (*store_libraries(settings), *SglangFront.libraries_needed(settings)):
+        try:
+            require(library, wanted_by)
+        except MissingLibrary as exc:
+            raise StartError(str(exc)) from None
 
 
 def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None]:
@@ -104,6 +117,7 @@ class Runtime:
 
     def __init__(self, settings: Settings, adapter: EncoderAdapter | None = None,
                  group: WorkerGroup | None = None) -> None:
+        check_libraries(settings)
         self.settings = settings
         self.adapter = adapter
         self.group = group

@@ -1,20 +1,24 @@
 """`encode-bench`: side-by-side load tests of the encoder, in one run, on loopback.
 
 Configurations (`--compare`): `on` (dynamic batching), `off` (one request per forward, the
-baseline), `ray` (the same model behind Ray Serve's `@serve.batch`, skipped when Ray is absent),
-`ceiling` (the same batches through the model in a loop, no HTTP), `sglang` (alone: against
-SGLang's own encoder server, both pinned; `sglang_compare.py` has its flags), and `cache-on` / `cache-off`
-(dynamic batching with the embedding cache at `--cache-bytes`, and with it off; `on` and `off` run
-with the cache off, so that they measure batching alone). Workloads (`--workload`, see
+baseline), `ceiling` (the same batches through the model in a loop, no HTTP), and `cache-on` /
+`cache-off` (dynamic batching with the embedding cache at `--cache-bytes`, and with it off; `on` and
+`off` run with the cache off, so that they measure batching alone). The comparisons with peers (Ray
+Serve, SGLang's own encoder server) are benchmarks of a checkout, not of this command:
+`benchmarks/ray_compare.py` runs this sweep against a Ray Serve peer, `benchmarks/sglang_compare.py`
+against SGLang (docs/BENCHMARKS.md). Workloads (`--workload`, see
 `workloads.py`): `single` (one image per request), `chat` (Zipf-popular conversations re-sending
 earlier turns' images) and `unique` (chat's shape, nothing ever repeated: the cache's worst case);
 every configuration gets a fresh server per workload. For each server: a closed-loop concurrency
 sweep and an open-loop Poisson rate sweep, with per point the cache's hit rate and the tokens
 encoded (from `/metrics`), the server's resident memory and the bytes its cache holds; then its
-batch-size histogram. Writes `results.json` and PNG plots into `--out`.
+batch-size histogram. Writes `results.json` and PNG plots (with matplotlib, of the bench extra) into
+`--out` (default `bench-results/`, which git ignores; it refuses to replace results git tracks, such as
+docs/bench's, unless `--overwrite-tracked` says so).
 
-    encode-bench --compare on,off,ray,ceiling --concurrency 1,16,64 --rates 50,150,300 --out bench-results
-    encode-bench --compare cache-on,cache-off --workload chat,unique --concurrency 1,32 --rates 100 --out bench-cache
+    encode-bench --compare on,off,ceiling --concurrency 1,16,64 --rates 50,150,300 --out bench-results/batching
+    encode-bench --compare cache-on,cache-off --workload chat,unique --concurrency 1,32 --rates 100 \
+        --out bench-results/cache
     encode-bench --url http://127.0.0.1:30000 --concurrency 8   # a server that is already running
 
 Every request's media is its own by default (the same pixels or samples, different bytes: see
@@ -31,10 +35,17 @@ import json
 import os
 import secrets
 import statistics
+import subprocess
 import sys
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-import httpx
+try:
+    import httpx
+except ImportError:  # the bench extra is not installed: say so in one line rather than a traceback
+    raise SystemExit("encode-bench needs the bench extra (httpx, matplotlib, tqdm): "
+                     "pip install 'encode-server[bench]', or in a checkout pip install -e '.[bench]'") from None
 
 from encode_server.bench.launcher import ServerProcess
 from encode_server.bench.load import closed_loop, make_payloads, open_loop
@@ -43,6 +54,15 @@ from encode_server.ops.memory import cpu_seconds, resident_bytes
 
 #: Server configurations and the flags that make them (besides the model and batching settings).
 SERVER_CONFIGS = ("on", "off", "cache-on", "cache-off")
+#: Every configuration `--compare` takes: the servers, then the in-process ceiling.
+CONFIGS = (*SERVER_CONFIGS, "ceiling")
+#: The files a run writes into `--out`.
+OUTPUTS = ("results.json", "throughput.png", "latency.png", "batch_sizes.png")
+#: Why the plots were not drawn, when matplotlib is missing.
+NO_PLOTS = ("plots skipped: matplotlib is not installed (the bench extra: pip install 'encode-server[bench]', "
+            "or in a checkout pip install -e '.[bench]'); results.json holds every figure")
+#: A peer configuration: a context manager that serves `/encode` as this server does, its `url` on loopback.
+Peer = Callable[[], AbstractContextManager]
 
 #: Above this share of items answered by the server's embedding cache, a point measures the cache.
 HIT_RATE_WARNING = 0.10
@@ -236,12 +256,15 @@ def server_flags(config: str, args) -> list[str]:
 
 
 def plot(results: dict, out: Path) -> list[str]:
+    """Draw the plots into `out`; the names of the files written ([] without matplotlib, after saying so on
+    stderr)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(NO_PLOTS, file=sys.stderr, flush=True)
         return []
     written = []
     several = len({p.get("workload") for p in results["points"]}) > 1
@@ -297,19 +320,37 @@ def plot(results: dict, out: Path) -> list[str]:
     return written
 
 
-def _compares_sglang(argv: list[str]) -> bool:
-    """`--compare sglang`: this server against SGLang's own encoder, a benchmark of its own."""
-    for index, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--compare=") else (
-            argv[index + 1] if arg == "--compare" and index + 1 < len(argv) else None)
-        if value is not None and "sglang" in value.split(","):
-            if value != "sglang":
-                raise SystemExit("encode-bench: --compare sglang is a benchmark of its own; run it alone")
-            return True
-    return False
+def tracked_outputs(out: Path) -> list[str]:
+    """The files of `OUTPUTS` in `out` that git tracks (such as docs/bench's published figures); [] outside a
+    git work tree, or without git."""
+    anchor = out.resolve()
+    while not anchor.is_dir():
+        anchor = anchor.parent
+    try:
+        done = subprocess.run(["git", "-C", str(anchor), "ls-files", "-z", "--", *(str(out.resolve() / name)
+                                                                                 for name in OUTPUTS)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return sorted(Path(name).name for name in done.stdout.split("\0") if name) if done.returncode == 0 else []
 
 
-def parse_args(argv=None):
+def check_out(out: Path, overwrite_tracked: bool) -> None:
+    """Refuse, before anything runs, to write over results git tracks unless `--overwrite-tracked` says so:
+    a warning would scroll past during a long run, and the published figures would be replaced unnoticed."""
+    tracked = tracked_outputs(out)
+    if tracked and not overwrite_tracked:
+        raise SystemExit(f"encode-bench: --out {out} holds results that git tracks ({', '.join(tracked)}): they are "
+                         f"the repository's published figures. Write elsewhere (the default, bench-results/, is "
+                         f"ignored by git), or pass --overwrite-tracked to replace them on purpose")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`encode-bench`'s flags, each with its help."""
     parser = argparse.ArgumentParser(prog="encode-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     numbers = lambda kind: (lambda text: [kind(x) for x in text.split(",") if x])  # noqa: E731
@@ -319,12 +360,21 @@ def parse_args(argv=None):
     parser.add_argument("--repeat-media", action="store_true",
                         help="send the same 32 items again and again (single workload) instead of a unique copy per "
                              "request: with the server's cache on, this measures the cache")
-    parser.add_argument("--compare", type=lambda t: t.split(","), default=["on", "off", "ray", "ceiling"])
-    parser.add_argument("--concurrency", type=numbers(int), default=[1, 16, 64])
-    parser.add_argument("--rates", type=numbers(float), default=[50.0, 150.0, 300.0])
+    parser.add_argument("--compare", type=lambda t: t.split(","), default=["on", "off", "ceiling"],
+                        help=f"comma-separated configurations, each a fresh server (with --url: not used): "
+                             f"{', '.join(CONFIGS)} (on: dynamic batching; off: one request per forward; cache-on, "
+                             f"cache-off: batching with the embedding cache at --cache-bytes and without it; ceiling: "
+                             f"the same batches through the model in this process, no HTTP) (default: on,off,ceiling)")
+    parser.add_argument("--concurrency", type=numbers(int), default=[1, 16, 64],
+                        help="comma-separated closed-loop points: requests kept in flight at once, each point "
+                             "sending --requests requests (or 4 per client, if more); empty: none (default: 1,16,64)")
+    parser.add_argument("--rates", type=numbers(float), default=[50.0, 150.0, 300.0],
+                        help="comma-separated open-loop points: requests per second, Poisson arrivals for "
+                             "--open-seconds each; empty (--rates \"\"): none (default: 50,150,300)")
     parser.add_argument("--requests", type=int, default=400, help="requests per closed-loop point")
     parser.add_argument("--open-seconds", type=float, default=6.0, help="length of each open-loop point")
-    parser.add_argument("--modality", choices=("image", "audio"), default="image")
+    parser.add_argument("--modality", choices=("image", "audio"), default="image",
+                        help="what every request carries: one image, or one audio clip (default: image)")
     parser.add_argument("--workload", type=lambda t: t.split(","), default=["single"],
                         help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--warm-requests", type=int, default=8,
@@ -335,31 +385,60 @@ def parse_args(argv=None):
     parser.add_argument("--cache-bytes", default="auto", help="the cache-on server's --cache-bytes")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds over the server configurations (comparisons report the median of the rounds)")
-    parser.add_argument("--image-size", type=int, default=56)
-    parser.add_argument("--audio-seconds", type=float, default=1.0)
-    parser.add_argument("--model", default="tiny-qwen2.5-vl")
-    parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--max-wait-ms", type=float, default=0.0)
-    parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--replot", action="store_true", help="only redraw the plots from --out/results.json")
-    return parser.parse_args(argv)
+    parser.add_argument("--image-size", type=int, default=56,
+                        help="side in pixels of the square images sent (--modality image); 56 is 4 patches of "
+                             "28 for Qwen2.5-VL, 4 rows each (default: 56)")
+    parser.add_argument("--audio-seconds", type=float, default=1.0,
+                        help="length of the clips sent (--modality audio) (default: 1.0)")
+    parser.add_argument("--model", default="tiny-qwen2.5-vl", help="the servers' --model (default: tiny-qwen2.5-vl)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="the servers' --max-batch-size (default: 32)")
+    parser.add_argument("--max-wait-ms", type=float, default=0.0, help="the servers' --max-wait-ms (default: 0)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="folder for results.json and the plots (default: bench-results, which git ignores)")
+    parser.add_argument("--overwrite-tracked", action="store_true",
+                        help="write into an --out whose results git tracks (docs/bench: the published figures), "
+                             "which is refused otherwise")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the plots from --out/results.json (needs matplotlib)")
+    return parser
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if _compares_sglang(argv):  # its own benchmark, with its own flags (sglang_compare.py)
-        from encode_server.bench.sglang_compare import main as compare_sglang
-
-        compare_sglang(argv)
-        return
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        print("wrote", ", ".join(plot(json.loads((args.out / "results.json").read_text()), args.out)))
+        replot(args.out, args.overwrite_tracked)
         return
+    run(args)
+
+
+def replot(out: Path, overwrite_tracked: bool = False) -> list[str]:
+    """Redraw the plots of `out/results.json`; says which files it wrote, or why none."""
+    source = out / "results.json"
+    if not source.is_file():
+        raise SystemExit(f"encode-bench --replot: {source} does not exist: give the --out of an earlier run")
+    check_out(out, overwrite_tracked)
+    written = plot(json.loads(source.read_text()), out)
+    if written:
+        print("wrote " + ", ".join(str(out / name) for name in written))
+    return written
+
+
+def run(args, peers: Mapping[str, Peer] | None = None, skipped: Mapping[str, str] | None = None) -> dict:
+    """The whole benchmark `args` describe; `peers`: more configurations by name, each a server of another
+    kind that answers `/encode` (a checkout's peer comparisons give them); `skipped`: configurations left
+    out, and why, recorded in the results."""
+    peers = dict(peers or {})
+    unknown = [config for config in args.compare if config not in (*CONFIGS, *peers, *(skipped or {}))]
+    if unknown:
+        raise SystemExit(f"encode-bench: unknown configuration {', '.join(map(repr, unknown))}: --compare takes "
+                         f"{', '.join(CONFIGS)}. The peer comparisons (Ray Serve, SGLang) are a checkout's "
+                         f"benchmarks: python benchmarks/ray_compare.py, python benchmarks/sglang_compare.py "
+                         f"(docs/BENCHMARKS.md)")
+    check_out(args.out, args.overwrite_tracked)
+    args.out.mkdir(parents=True, exist_ok=True)
     payloads = make_payloads(args.modality, 32, args.image_size, args.audio_seconds)
     results: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                     "points": [], "batch_histograms": {}, "skipped": {}}
+                     "points": [], "batch_histograms": {}, "skipped": dict(skipped or {})}
 
     if args.api_key:
         HEADERS["Authorization"] = f"Bearer {args.api_key}"
@@ -388,22 +467,10 @@ def main(argv=None) -> None:
                     results["points"] += [{**point, "repeat": repeat} for point in points]
                     results["batch_histograms"][label(config, name)] = batch_histogram(server.url)
     for config in [] if args.url else [config for config in args.compare if config not in SERVER_CONFIGS]:
-        if config == "ray":
-            try:
-                import ray  # noqa: F401
-                from ray import serve  # noqa: F401
-            except ImportError:
-                results["skipped"]["ray"] = "ray[serve] is not installed (pip install -e '.[bench]')"
-                print("ray: skipped (ray[serve] is not installed)", flush=True)
-                continue
-            if args.modality != "image":
-                results["skipped"]["ray"] = "the Ray Serve peer serves images only"
-                continue
+        if config in peers:
             for name in args.workload:
-                with ServerProcess("--model", args.model, "--max-batch-size", str(args.max_batch_size),
-                                   "--max-wait-ms", str(args.max_wait_ms), module="encode_server.bench.ray_peer",
-                                   startup_timeout=300) as server:
-                    results["points"] += sweep(server.url, "ray", args, workload(name))
+                with peers[config]() as server:
+                    results["points"] += sweep(server.url, config, args, workload(name))
         elif config == "ceiling":
             from encode_server.bench.ceiling import ceiling
 
@@ -412,12 +479,11 @@ def main(argv=None) -> None:
                   f"{results['ceiling']['processor_and_forward_rps']:.1f} req/s, forward only "
                   f"{results['ceiling']['forward_only_rps']:.1f} req/s ({results['ceiling']['threads']} torch "
                   "threads, as the server's)", flush=True)
-        else:
-            raise SystemExit(f"encode-bench: unknown configuration {config!r}")
     results["cache_comparison"] = cache_comparison(results["points"])
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     written = plot(results, args.out)
     print(f"wrote {args.out / 'results.json'}" + (f" and {', '.join(written)}" if written else ""))
+    return results
 
 
 if __name__ == "__main__":

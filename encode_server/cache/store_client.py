@@ -39,6 +39,7 @@ from typing import Any
 
 from encode_server.cache import store_format
 from encode_server.ops.libraries import missing_message
+from encode_server.ops.settings import Settings
 
 log = logging.getLogger("encode_server.cache.store")
 
@@ -163,6 +164,12 @@ def _quiet_glog() -> None:
     """Mooncake logs every connection step at INFO; warnings and errors are what operators need (an explicit
     MC_LOG_LEVEL wins)."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+
+def libraries_needed(settings: Settings) -> list[tuple[str, str]]:
+    """The optional libraries `--cache-store` needs, and what to call it in the refusal: checked before the model
+    loads (`runtime.check_libraries`), and again by `check_installed` when the connection is made."""
+    return [("mooncake", "--cache-store (Mooncake Store's client)")] if settings.cache_store else []
 
 
 def check_installed() -> None:

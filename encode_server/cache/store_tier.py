@@ -30,6 +30,7 @@ from encode_server.cache.store_client import StoreConfig, StoreConnection
 from encode_server.cache.store_format import CorruptObject, Namespace
 from encode_server.models import ModelInfo
 from encode_server.ops.setting_values import parse_store_url
+from encode_server.ops.settings import Settings
 
 log = logging.getLogger("encode_server.cache.store")
 
@@ -122,7 +123,7 @@ def row_widths(info: ModelInfo) -> dict[str, int]:
     return {modality: info.row_width_of(modality) for modality in info.modalities}
 
 
-def store_config(settings: Any) -> StoreConfig:
+def store_config(settings: Settings) -> StoreConfig:
     """The connection's settings from the server's (`--cache-store*`)."""
     return StoreConfig(
         master_server_address=parse_store_url(settings.cache_store),
@@ -134,13 +135,13 @@ def store_config(settings: Any) -> StoreConfig:
         publish_max_items=settings.cache_store_publish_items, publish_max_bytes=settings.cache_store_publish_bytes)
 
 
-def native_namespace(settings: Any, adapter: Any, fingerprint: str) -> Namespace:
+def native_namespace(settings: Settings, adapter: Any, fingerprint: str) -> Namespace:
     """This server's own namespace for `/encode` items: the model's fingerprint is its encoder part."""
     return Namespace("encode-server", settings.cache_store_model or settings.model, settings.cache_store_revision,
                      fingerprint, adapter.dtype, settings.cache_store_prefix)
 
 
-def vllm_namespace(settings: Any, adapter: Any) -> Namespace:
+def vllm_namespace(settings: Settings, adapter: Any) -> Namespace:
     """vLLM's namespace for the consumer model the `--cache-store-*` and `--ec-model-id` settings describe."""
     encoder = (store_format.VLLM_DEFAULT_ENCODER_HASH if settings.cache_store_encoder_hash == "auto"
                else settings.cache_store_encoder_hash)

@@ -1,4 +1,4 @@
-"""`bench.pinned --thread-cpu`: CPU per request by thread, read from /proc for a live process (this one)."""
+"""`benchmarks/pinned.py --thread-cpu`: CPU per request by thread, read from /proc for a live process (this one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from encode_server.bench.pinned import per_request_ms, thread_cpu_s
+from benchmarks.pinned import per_request_ms, thread_cpu_s
 from encode_server.ops.thread_names import name_os_thread
 
 pytestmark = [pytest.mark.quick, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")]

@@ -187,10 +187,17 @@ def test_settings_refuse_what_cannot_work(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else real(name, *a))
-    with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1"):
-        from encode_server.ops.settings import Settings
+    from encode_server.cache.store_client import libraries_needed
+    from encode_server.ops.libraries import MissingLibrary, require
+    from encode_server.ops.settings import Settings
 
-        Settings(cache_store="mooncake://host:50051")
+    settings = Settings(cache_store="mooncake://host:50051")  # values only: no library is probed here
+    assert libraries_needed(Settings()) == []  # nothing asked for, nothing needed
+    # What `runtime.check_libraries` does with the tier's need at start-up, before the model loads:
+    with pytest.raises(MissingLibrary, match=r"^--cache-store \(Mooncake Store's client\) needs the mooncake "
+                                             r"library.*pip install mooncake-transfer-engine-non-cuda.*libibverbs1"):
+        for library, wanted_by in libraries_needed(settings):
+            require(library, wanted_by)
 
 
 def test_the_dashboard_reads_only_series_the_tier_exports():

@@ -229,8 +229,9 @@ def test_without_the_backend_the_endpoints_say_how_to_turn_it_on():
 
 @pytest.mark.quick
 def test_settings_refuse_what_the_backend_cannot_honour_in_one_line(monkeypatch):
-    from encode_server.ops import settings as settings_module
+    from encode_server.ops import libraries
     from encode_server.ops.settings import Settings, load_settings
+    from encode_server.runtime import StartError, check_libraries
 
     with pytest.raises(ValueError, match="--mooncake-host"):
         Settings(encoder_transfer_backend="mooncake", host="0.0.0.0")
@@ -241,8 +242,10 @@ def test_settings_refuse_what_the_backend_cannot_honour_in_one_line(monkeypatch)
     assert load_settings([], {"MOONCAKE_PROTOCOL": "tcp"}).mooncake_protocol == "tcp"  # SGLang's variable
     with pytest.raises(SystemExit):
         load_settings(["--encoder-transfer-backend", "nixl"])
-    monkeypatch.setattr(settings_module, "installed", lambda library: False)
-    with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1") as refused:
-        Settings(encoder_transfer_backend="mooncake")
+    monkeypatch.setattr(libraries, "installed", lambda library: False)
+    asked = Settings(encoder_transfer_backend="mooncake")  # the settings check values; the front asks at start-up
+    with pytest.raises(StartError, match=r"--encoder-transfer-backend mooncake needs the mooncake library.*"
+                                         r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1") as refused:
+        check_libraries(asked)
     assert "\n" not in str(refused.value)
     assert Settings().encoder_transfer_backend == "zmq_to_scheduler"  # nothing asks for the library by default

@@ -216,7 +216,7 @@ def test_configurations_the_server_cannot_honour_are_refused_in_one_line():
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps({
         "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
         "ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}})})
-    assert settings.ec_storage == "/tmp/ec" and settings.vllm_push is None
+    assert settings.ec_storage_folder == "/tmp/ec" and settings.ec_storage is None and settings.vllm_push is None
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps(base)})
     assert settings.vllm_push.protocol == "rdma" and settings.vllm_push.buffer_size == 10**9
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -101,3 +102,51 @@ def test_the_default_cpu_threads_are_half_the_cores_this_process_may_use(monkeyp
     monkeypatch.setattr(settings_module, "usable_cores", lambda: 1)
     assert Settings().cpu_threads_per_rank(1) == 1
     assert Settings(cpu_threads=6).cpu_threads_per_rank(2) == 3  # --cpu-threads wins
+
+
+def test_settings_are_made_from_the_one_table():
+    """One field per row, in the rows' order, with the row's default: nothing declared twice."""
+    import dataclasses
+
+    from encode_server.ops.settings import GROUPS
+
+    fields = dataclasses.fields(Settings)
+    assert [field.name for field in fields] == [option.dest for option in OPTIONS]
+    assert all(field.default == option.default for field, option in zip(fields, OPTIONS))
+    assert len({option.flag for option in OPTIONS}) == len(OPTIONS) == sum(len(group.options) for group in GROUPS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Settings().port = 1
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"dtype": "int8"}, "--dtype must be auto, float32, bfloat16 or float16, got 'int8'"),
+    ({"wire_format": "grpc"}, "--wire-format must be native or sglang, got 'grpc'"),
+    ({"preprocess_workers": -2}, "--preprocess-workers must be -1 (auto), 0 or more, got -2"),
+    ({"ec_side_channel_port": 0}, "--ec-side-channel-port must be in 1..65535, got 0"),
+    ({"max_wait_ms": -1.0}, "--max-wait-ms must not be negative, got -1.0"),
+    ({"cache_store_timeout_ms": 0.0}, "--cache-store-timeout-ms must be positive, got 0.0"),
+    ({"tp_size": 2, "dp_size": 2}, "--tp-size and --dp-size cannot both be above 1"),
+])
+def test_each_value_is_checked_by_its_row_once_however_it_is_given(values, message):
+    """The same check and message whether the value comes from code, the command line or the environment."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Settings(**values)
+    if len(values) == 1:
+        (name, value), = values.items()
+        with pytest.raises(SystemExit, match=re.escape(f"bad value for ENCODER_{name.upper()}: {message}")):
+            load_settings([], environ={f"ENCODER_{name.upper()}": str(value)})
+
+
+def test_the_settings_check_values_only(monkeypatch):
+    """Making settings probes no installed library (the component that needs one asks at start-up:
+    `runtime.check_libraries`, tested with the store tier and the SGLang front)."""
+    from encode_server.ops import libraries
+
+    def probed(library):
+        raise AssertionError(f"the settings probed {library}")
+
+    monkeypatch.setattr(libraries, "installed", probed)
+    monkeypatch.setattr(libraries, "load_problem", probed)
+    settings = load_settings(["--cache-store", "mooncake://127.0.0.1:50051", "--encoder-transfer-backend",
+                              "mooncake"], environ={})
+    assert (settings.cache_store, settings.encoder_transfer_backend) == ("mooncake://127.0.0.1:50051", "mooncake")

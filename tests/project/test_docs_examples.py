@@ -120,8 +120,6 @@ def program_of(argv: list[str]) -> tuple[list[str], list[str]]:
     if argv[0] == "encode-server":
         return [sys.executable, "-m", "encode_server"], flags
     if argv[0] == "encode-bench":
-        if argv[1:3] == ["--compare", "sglang"]:  # handed over to the comparison's own parser
-            return [sys.executable, "-m", "encode_server.bench.sglang_compare"], flags
         return [sys.executable, "-m", "encode_server.bench"], flags
     if argv[0] == "bash":
         script = ROOT / argv[1]

@@ -112,3 +112,22 @@ def test_the_architecture_page_lists_these_layers():
     text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
     block = text.split("```layers\n", 1)[1].split("```", 1)[0]
     assert [set(line.split()) for line in block.splitlines() if line.strip()] == LAYERS
+
+
+#: The benchmarks reach the server as its users do (its HTTP and ZMQ protocols, `bench`'s launcher and load
+#: generators), never through a front's modules; the exceptions, each with its reason.
+BENCHMARKS_INTO_FRONTS = {
+    "benchmarks/transport.py": "times the vLLM front's NIXL producer itself against the bare library",
+}
+
+
+def test_the_benchmarks_import_no_front():
+    root = PACKAGE.parent
+    found = {}
+    for path in (root / "benchmarks").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            if any(name.startswith("encode_server.fronts") for name in names):
+                found[str(path.relative_to(root))] = BENCHMARKS_INTO_FRONTS.get(str(path.relative_to(root)))
+    assert found == BENCHMARKS_INTO_FRONTS

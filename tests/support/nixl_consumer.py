@@ -16,6 +16,8 @@ agent for that, so it starts none, nor imports torch).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import mmap
 import os
@@ -31,6 +33,14 @@ import zmq
 
 if TYPE_CHECKING:
     import torch
+
+
+def consumer_compatibility_hash(vllm_version: str, model: str, dtype: str, block_size: int) -> str:
+    """The hash a vLLM consumer sends with each read, computed on the consumer's side from its own factors
+    (vLLM's `compute_ec_compatibility_hash`: sha256 of the compact JSON list), as the real consumer does rather
+    than asking the producer."""
+    return hashlib.sha256(json.dumps([vllm_version, model, dtype, block_size],
+                                     separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 class NixlConsumer:

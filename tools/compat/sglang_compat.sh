@@ -7,7 +7,7 @@
 #   PYTHONPATH=$PWD VENV/bin/python tools/compat/sglang_compat.py
 #   PYTHONPATH=$PWD VENV/bin/python tools/reference/sglang_golden.py check
 #   MOONCAKE_PROTOCOL=tcp MC_FORCE_TCP=1 PYTHONPATH=$PWD VENV/bin/python tools/compat/sglang_transport_compat.py
-#   encode-bench --compare sglang --sglang-python VENV/bin/python   # SGLang's own encoder server against ours
+#   python benchmarks/sglang_compare.py --sglang-python VENV/bin/python   # SGLang's own encoder server against ours
 set -euo pipefail
 
 VENV="${1:-$(cd "$(dirname "$0")/../.." && pwd)/.sglang-venv}"

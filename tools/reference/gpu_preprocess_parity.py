@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     failed = False
     # A checkpoint folder too: where torchvision is installed, `AutoImageProcessor` already gives the
     # torchvision-backend processor, which must serve as its own fast twin (it was refused before).
-    from encode_server.bench.camera import camera_checkpoint
+    from benchmarks.camera import camera_checkpoint
 
     for name in ("tiny-qwen2.5-vl", "tiny-internvl", "tiny-qwen2-audio", str(camera_checkpoint())):
         adapter = load_adapter(name, "cpu", "float32")

@@ -31,6 +31,14 @@ class SglangFront(Front):
         self.registry: SglangRegistry | None = None
         self._withdrawal: asyncio.Task | None = None
 
+    @staticmethod
+    def libraries_needed(settings: Settings) -> list[tuple[str, str]]:
+        """The optional libraries this front needs with these settings, and what to call it in the refusal
+        (checked before the model loads: `runtime.check_libraries`)."""
+        if settings.encoder_transfer_backend == "mooncake":
+            return [("mooncake", "--encoder-transfer-backend mooncake")]
+        return []
+
     def mount(self, app: FastAPI) -> None:
         def stager(request: Request) -> SglangMooncakeStager:
             if self.stager is None:

@@ -30,7 +30,7 @@ class VllmFront(Front):
 
     async def start(self, service: EncoderService) -> None:
         settings = self.settings
-        if settings.ec_storage or settings.vllm_push:
+        if settings.ec_storage_folder or settings.vllm_push:
             self.producer = await asyncio.to_thread(VllmProducer.from_settings, service, settings)
         if settings.vllm_push and settings.vllm_push.connector == "ECCPUConnector":
             from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer  # NIXL: an optional extra
@@ -50,7 +50,7 @@ class VllmFront(Front):
     def transport(self) -> dict[str, Any]:
         if self.pusher is not None:
             return {"vllm": self.pusher.info()}
-        if self.settings.ec_storage:
+        if self.settings.ec_storage_folder:
             return {"vllm": {"connector": "ECExampleConnector", "role": "ec_producer",
-                             "shared_storage_path": self.settings.ec_storage}}
+                             "shared_storage_path": self.settings.ec_storage_folder}}
         return {"vllm": None}

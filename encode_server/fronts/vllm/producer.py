@@ -154,8 +154,8 @@ class VllmProducer:
         """The producer of `--ec-storage` (with its storage), or of a pushing connector (without one)."""
         check_vllm_layout(service.adapter)
         storage = None
-        if settings.ec_storage:
-            storage = ECStorage(settings.ec_storage, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
+        if settings.ec_storage_folder:
+            storage = ECStorage(settings.ec_storage_folder, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
             log.info("vLLM producer: storage %s (bound %s bytes), identifiers for model %r with %s", storage.root,
                      settings.ec_storage_bytes or "no", settings.ec_identifier_model, settings.ec_hash_algorithm)
         video_processor = None

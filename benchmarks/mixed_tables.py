@@ -1,4 +1,4 @@
-"""The Markdown tables `python -m encode_server.bench.mixed` prints, in the layout docs/BENCHMARKS.md shows."""
+"""The Markdown tables `python benchmarks/mixed.py` prints, in the layout docs/BENCHMARKS.md shows."""
 
 from __future__ import annotations
 

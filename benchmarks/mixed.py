@@ -17,9 +17,9 @@ misses, not cache hits.
 `wait`: `--max-wait-ms auto` against a sweep of fixed waits on the standard closed-loop points
 (concurrency 1, 16, 64), one server per setting, started one after another in one run.
 
-    python -m encode_server.bench.mixed mixed --round-s 15 --rounds 2
-    python -m encode_server.bench.mixed mixed --round-s 12 --rounds 2 --cache off,on
-    python -m encode_server.bench.mixed wait --waits 0,2,5,10,auto
+    python benchmarks/mixed.py mixed --round-s 15 --rounds 2
+    python benchmarks/mixed.py mixed --round-s 12 --rounds 2 --cache off,on
+    python benchmarks/mixed.py wait --waits 0,2,5,10,auto
 
 It prints a line per round or point as it goes, then the table docs/BENCHMARKS.md shows (Markdown);
 `--json` prints the results as JSON instead, and `--out` writes them as JSON too.
@@ -33,16 +33,19 @@ import base64
 import itertools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from encode_server.bench.launcher import ServerProcess
-from encode_server.bench.load import _Client, _session, _warm, closed_loop, make_payloads
-from encode_server.bench.mixed_tables import mixed_table, wait_table
-from encode_server.bench.workloads import png_with_nonce
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/mixed.py` from anywhere
+
+from benchmarks.mixed_tables import mixed_table, wait_table  # noqa: E402
+from encode_server.bench.launcher import ServerProcess  # noqa: E402
+from encode_server.bench.load import _Client, _session, _warm, closed_loop, make_payloads  # noqa: E402
+from encode_server.bench.workloads import png_with_nonce  # noqa: E402
 
 
 class DistinctPayloads:

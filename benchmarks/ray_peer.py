@@ -2,9 +2,9 @@
 
 Same model, same `max_batch_size` and wait, same request and response shape (minus ZMQ delivery).
 Decoding, the processor and the forward run in threads so the replica's event loop stays free, as
-a careful Ray Serve user would write it. Needs the optional `bench` extra (`ray[serve]`).
+a careful Ray Serve user would write it. Needs the optional `peers` extra (`ray[serve]`).
 
-    python -m encode_server.bench.ray_peer --port 8001 --max-batch-size 32 --max-wait-ms 0
+    python benchmarks/ray_peer.py --port 8001 --max-batch-size 32 --max-wait-ms 0
 """
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     from ray import serve
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level=args.log_level.upper(),
-             runtime_env={"env_vars": {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])}})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app(args.model, args.max_batch_size, args.max_wait_ms / 1000.0), name="encoder",
               route_prefix="/")

@@ -1,4 +1,4 @@
-"""`encode-bench --compare sglang`: its flags, the request body it sends and its table (no server is started;
+"""`benchmarks/sglang_compare.py`: its flags, the request body it sends and its table (no server is started;
 the comparison itself is a measurement, run by hand as its module docstring says)."""
 
 from __future__ import annotations
@@ -7,23 +7,24 @@ import pickle
 
 import pytest
 
-from encode_server.bench.__main__ import _compares_sglang
-from encode_server.bench.sglang_compare import RID, Point, parse_args, request_body, summarise, table
+from benchmarks.sglang_compare import RID, Point, parse_args, request_body, summarise, table
+from encode_server.bench.__main__ import main as encode_bench
 
 pytestmark = pytest.mark.quick
 
 
-def test_compare_sglang_is_routed_to_its_own_benchmark_and_runs_alone():
-    assert _compares_sglang(["--compare", "sglang", "--rounds", "3"])
-    assert _compares_sglang(["--compare=sglang"])
-    assert not _compares_sglang(["--compare", "on,off"])
-    with pytest.raises(SystemExit, match="run it alone"):
-        _compares_sglang(["--compare", "on,sglang"])
+def test_encode_bench_names_the_peer_comparisons_it_does_not_ship(tmp_path):
+    """The installed `encode-bench` holds no peer: asked for one, it names the checkout's benchmark, before
+    starting anything."""
+    for peer in ("sglang", "ray"):
+        with pytest.raises(SystemExit, match=rf"unknown configuration '{peer}'.*benchmarks/sglang_compare.py"):
+            encode_bench(["--compare", f"on,{peer}", "--out", str(tmp_path / peer)])
+        assert not (tmp_path / peer).exists()
 
 
 def test_flags_defaults_and_errors(monkeypatch, capsys):
     monkeypatch.setenv("SGLANG_PYTHON", "/opt/sglang/bin/python")
-    args = parse_args(["--compare", "sglang"])
+    args = parse_args([])
     assert (args.configs, args.rounds, args.requests, args.concurrency) == (["ours", "sglang", "sglang-batch32"], 2,
                                                                            400, 64)
     assert args.sglang_python == "/opt/sglang/bin/python" and (args.server_core, args.client_core) == (0, 1)

@@ -15,7 +15,7 @@ The two alternate for `--rounds` rounds against one server (a shared machine dri
 ratio of two figures taken minutes apart would carry the drift); each round's ratio service / ceiling says
 what the per-request path costs, and the median and spread of the rounds are printed. Needs two cores.
 
-    python -m encode_server.bench.pinned --concurrency 64 --requests 3000 --rounds 5   # the machine to itself
+    python benchmarks/pinned.py --concurrency 64 --requests 3000 --rounds 5   # the machine to itself
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ then three closed loops over the same images, batches of `--batch-size`:
 - `service`: the HTTP server on all cores (`--preprocess-workers`), closed loop at `--concurrency`
   after a warm-up round; prints the workers' utilisation as the server reports it.
 
-    python -m encode_server.bench.camera --mode inprocess,pool --seconds 20
-    THP_MEM_ALLOC_ENABLE=1 python -m encode_server.bench.camera --mode inprocess,pool --workers 2
+    python benchmarks/camera.py --mode inprocess,pool --seconds 20
+    THP_MEM_ALLOC_ENABLE=1 python benchmarks/camera.py --mode inprocess,pool --workers 2
 """
 
 from __future__ import annotations

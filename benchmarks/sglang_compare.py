@@ -1,4 +1,4 @@
-"""`encode-bench --compare sglang`: this server against SGLang's own encoder server, side by side in one run.
+"""`python benchmarks/sglang_compare.py`: this server against SGLang's own encoder server, side by side in one run.
 
 Both serve the same tiny Qwen2.5-VL checkpoint folder (built here with `save_pretrained`: the built-in
 `tiny-qwen2.5-vl` tower's shape, a two-layer language model and a byte-level tokenizer, so SGLang can load
@@ -20,7 +20,7 @@ SGLang runs from its own environment, never this one: `--sglang-python` (or `SGL
 the interpreter of a venv with SGLang 0.5.23, which `tools/compat/sglang_compat.sh VENV` builds:
 
     tools/compat/sglang_compat.sh .sglang-venv
-    encode-bench --compare sglang --sglang-python .sglang-venv/bin/python --rounds 3
+    python benchmarks/sglang_compare.py --sglang-python .sglang-venv/bin/python --rounds 3
 
 Needs two cores (`--server-core`, `--client-core`). Not a test: figures only mean something on a
 machine that is otherwise quiet; say which machine, and whether it was shared, with any figure.
@@ -169,7 +169,7 @@ def server_for(config: str, args, folder: Path, port: int) -> Server:
                 *args.ours_flag]
         return Server(config, argv, port, {}, args.server_core)
     if not args.sglang_python:
-        raise SystemExit("encode-bench --compare sglang: give the Python of a venv with SGLang 0.5.23 "
+        raise SystemExit("python benchmarks/sglang_compare.py: give the Python of a venv with SGLang 0.5.23 "
                          "(--sglang-python or SGLANG_PYTHON; tools/compat/sglang_compat.sh VENV builds one)")
     argv = [args.sglang_python, "-m", "sglang.launch_server", "--encoder-only", "--device", "cpu", "--dtype",
             "float32", "--model-path", str(folder), "--host", "127.0.0.1", "--port", str(port),
@@ -309,9 +309,8 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="encode-bench --compare sglang", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python benchmarks/sglang_compare.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", default="sglang", help=argparse.SUPPRESS)
     parser.add_argument("--sglang-python", default=os.environ.get("SGLANG_PYTHON"),
                         help="the Python of a venv with SGLang 0.5.23 (tools/compat/sglang_compat.sh builds one) "
                              "[env: SGLANG_PYTHON]")
@@ -356,7 +355,7 @@ def main(argv=None) -> list[dict]:
 
     args = parse_args(argv)
     if any(config != "ours" for config in args.configs) and not args.sglang_python:
-        raise SystemExit("encode-bench --compare sglang: give the Python of a venv with SGLang 0.5.23 "
+        raise SystemExit("python benchmarks/sglang_compare.py: give the Python of a venv with SGLang 0.5.23 "
                          "(--sglang-python or SGLANG_PYTHON; tools/compat/sglang_compat.sh VENV builds one)")
     with contextlib.ExitStack() as stack:
         folder = args.checkpoint or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compare-")))
