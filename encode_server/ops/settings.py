@@ -104,6 +104,9 @@ OPTIONS: tuple[Option, ...] = (
            "HF_HUB_OFFLINE apply)"),
     Option("--host", str, "127.0.0.1", "address HTTP listens on"),
     Option("--port", int, 30000, "port HTTP listens on"),
+    Option("--grpc-port", int, None,
+           "port SGLang's gRPC encoder service (sglang.grpc.encoder.SglangEncoder, with gRPC health and reflection) "
+           "listens on, on --host; off when unset. Needs the grpc extra: pip install 'encode-server[grpc]'"),
     Option("--device", str, "auto", f"{DEVICE_CHOICES} (auto: cuda if available, else cpu)"),
     Option("--dtype", str, "auto", "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16",
            choices=("auto", *DTYPE_CHOICES)),
@@ -297,6 +300,7 @@ class Settings:
     model: str = DEFAULTS["model"]
     host: str = DEFAULTS["host"]
     port: int = DEFAULTS["port"]
+    grpc_port: int | None = DEFAULTS["grpc_port"]
     device: str = DEFAULTS["device"]
     dtype: str = DEFAULTS["dtype"]
     max_batch_size: int = DEFAULTS["max_batch_size"]
@@ -397,6 +401,13 @@ class Settings:
             raise ValueError(f"--req-timeout-s must be positive, got {self.req_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.grpc_port is not None:
+            if not 0 <= self.grpc_port <= 65535:
+                raise ValueError(f"--grpc-port must be in 0..65535, got {self.grpc_port}")
+            if self.grpc_port == self.port and self.port != 0:
+                raise ValueError(f"--grpc-port and --port are both {self.port}: give gRPC a port of its own")
+            if not installed("grpc"):
+                raise ValueError(missing_message("grpc", "--grpc-port (SGLang's gRPC encoder service)"))
         check_device(self.device)
         if self.wire_format not in ("native", "sglang"):
             raise ValueError(f"--wire-format must be native or sglang, got {self.wire_format!r}")
