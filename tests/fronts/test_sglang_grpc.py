@@ -49,9 +49,10 @@ def items_of(modality: str) -> list[str]:
     return [base64.b64encode((GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()).decode()]
 
 
-def inline_rows(server, modality: str, items: list[str]) -> tuple[bytes, dict]:
+def inline_rows(server, modality: str, items: list[str], headers: dict | None = None) -> tuple[bytes, dict]:
     body = httpx.post(server.url + "/encode", json={"req_id": f"http-{modality}", "modality": modality,
-                                                    "mm_items": items, "return_embedding": True}, timeout=60).json()
+                                                    "mm_items": items, "return_embedding": True}, timeout=60,
+                      headers=headers).json()
     return base64.b64decode(body["embedding"]), body
 
 
@@ -184,3 +185,104 @@ def test_item_modality_from_data_urls_names_and_bytes():
     with pytest.raises(ValueError, match="share a modality"):
         part_modality([wav, image_b64(8, 8)])
     assert part_modality([wav], "VIDEO") == "video"
+
+
+def test_mooncake_encode_answers_the_sizes_and_send_writes_the_rows():
+    """`--encoder-transfer-backend mooncake` over gRPC: Encode stages the rows and answers their sizes; Send has
+    them written into a rank's registered buffer (a real TransferEngine) and its frame pushed; a second Send of
+    the released part is INTERNAL with /send's message. With --api-key, a call without the key is
+    UNAUTHENTICATED; health stays open."""
+    from tests.support.optional import import_or_skip
+
+    import_or_skip("mooncake")
+    from tests.support.sglang_rank import Rank
+
+    rank = Rank()
+    try:
+        with InProcessServer("--encoder-transfer-backend", "mooncake", "--mooncake-protocol", "tcp",
+                             "--enable-dynamic-batching", "false", "--grpc-port", str(free_port()),
+                             "--api-key", "sesame") as srv:
+            key = {"Authorization": "Bearer sesame"}
+            items = [image_b64(64, 48, seed=5)]
+            expected, _ = inline_rows(srv, "image", items, key)
+            address = httpx.get(srv.url + "/server_info", headers=key).json()["transport"]["grpc"]["address"]
+            with grpc.insecure_channel(address) as channel:
+                encoder = pb_grpc.SglangEncoderStub(channel)
+                request = pb.EncodeRequest(mm_items=items, req_id="moon_local_part_0", num_parts=1)
+                with pytest.raises(grpc.RpcError) as refused:
+                    encoder.Encode(request, timeout=60)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "missing API key" in refused.value.details()
+                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                sizes = encoder.Encode(request, timeout=60, metadata=[("authorization", "Bearer sesame")])
+                assert sizes.embedding_size == len(expected) and sizes.embedding_len * sizes.embedding_dim * 4 == \
+                    len(expected)
+                send = pb.SendRequest(req_id="moon_local_part_0", prefill_host="127.0.0.1", embedding_port=rank.port,
+                                      session_id=rank.session, buffer_address=rank.buffer.data_ptr())
+                encoder.Send(send, timeout=30, metadata=[("authorization", "Bearer sesame")])
+                header = load(rank.socket.recv_multipart()[0])
+                with pytest.raises(grpc.RpcError) as caught:
+                    encoder.Send(send, timeout=30, metadata=[("authorization", "Bearer sesame")])
+            landed = rank.buffer[:sizes.embedding_size].clone().numpy().tobytes()
+    finally:
+        rank.close()
+    assert landed == expected and header.embedding is None and header.shape == [sizes.embedding_len,
+                                                                                 sizes.embedding_dim]
+    assert caught.value.code() == grpc.StatusCode.INTERNAL and "no staged embedding" in caught.value.details()
+
+
+def test_a_missing_extra_is_refused_in_one_line_naming_the_install(monkeypatch):
+    from encode_server.ops import libraries
+    from encode_server.ops.settings import Settings
+
+    monkeypatch.setitem(libraries.LIBRARIES, "grpc", ("grpc no_such_module_here", "grpc", "'encode-server[grpc]'"))
+    with pytest.raises(ValueError) as refused:
+        Settings(grpc_port=50051)
+    assert "\n" not in str(refused.value) and "pip install 'encode-server[grpc]'" in str(refused.value)
+    Settings()  # without --grpc-port the server starts without the extra
+
+
+def test_a_busy_grpc_port_is_refused_naming_the_flag():
+    import asyncio
+    import socket
+    import types
+
+    from encode_server.fronts.sglang.grpc_front import GrpcStartError, SglangGrpcFront
+    from encode_server.http.listen import ListenError, check_free
+    from encode_server.ops.settings import Settings
+
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", 0))
+        occupant.listen()
+        port = occupant.getsockname()[1]
+        with pytest.raises(ListenError, match=r"choose another port with --grpc-port \(or ENCODER_GRPC_PORT\)"):
+            check_free("127.0.0.1", port, "--grpc-port")  # before the model loads
+        front = SglangGrpcFront(Settings(grpc_port=port))  # and if it was taken while the model loaded
+        with pytest.raises(GrpcStartError, match="--grpc-port"):
+            asyncio.run(front.start(types.SimpleNamespace(on_drain=lambda listener: None)))
+
+
+def test_health_watch_says_not_serving_once_draining_begins():
+    import asyncio
+    import types
+
+    from encode_server.fronts.sglang.grpc_service import EncoderHealth
+
+    listeners: list = []
+    verdict = {"now": (True, "")}
+    service = types.SimpleNamespace(on_drain=listeners.append, healthy=lambda: verdict["now"])
+
+    async def watch() -> list[int]:
+        health = EncoderHealth(service)
+        stream = health.Watch(health_pb2.HealthCheckRequest(service=""), None)
+        seen = [(await stream.__anext__()).status]
+        verdict["now"] = (False, "draining: the server is shutting down")
+        for listener in listeners:  # what EncoderService.begin_drain does
+            listener()
+        seen.append((await stream.__anext__()).status)
+        seen.append((await health.Check(health_pb2.HealthCheckRequest(service=""), None)).status)
+        return seen
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert asyncio.run(watch()) == [serving, not_serving, not_serving]
