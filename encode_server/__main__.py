@@ -57,10 +57,12 @@ def serve(argv: Sequence[str] | None = None) -> None:
 
     configure_logging(settings.log_level, settings.log_format)
     os.environ["ENCODER_LOG_FORMAT"] = settings.log_format  # the ranks and workers it starts log alike
-    from encode_server.http.listen import ListenError, open_listeners
+    from encode_server.http.listen import ListenError, check_free, open_listeners
 
     try:  # before the model loads (minutes for a large one): a busy port is known at once
         listeners = open_listeners(settings.host, settings.port)
+        if settings.grpc_port is not None:  # gRPC binds its own when it starts; checked now all the same
+            check_free(settings.host, settings.grpc_port, "--grpc-port")
     except ListenError as exc:
         sys.exit(f"encode-server: {exc}")
     import uvicorn  # imported late so that --help answers fast

@@ -107,8 +107,14 @@ def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None
 
 
 def fronts_for(settings: Settings) -> list[Front]:
-    """Every protocol front, in the order their routes are mounted and they start (closed in reverse)."""
-    return [NativeFront(settings.max_request_bytes), SglangFront(settings), VllmFront(settings)]
+    """Every protocol front, in the order their routes are mounted and they start (closed in reverse); SGLang's
+    gRPC encoder service with `--grpc-port` (grpcio is imported only then: it is an optional extra)."""
+    fronts: list[Front] = [NativeFront(settings.max_request_bytes), SglangFront(settings), VllmFront(settings)]
+    if settings.grpc_port is not None:
+        from encode_server.fronts.sglang.grpc_front import SglangGrpcFront
+
+        fronts.append(SglangGrpcFront(settings))
+    return fronts
 
 
 class Runtime:

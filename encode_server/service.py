@@ -240,14 +240,15 @@ class EncoderService:
 
     # --- one request -----------------------------------------------------------------------------
 
-    async def encode(self, payload: object) -> dict[str, object]:
-        """Answer one `/encode` body (already JSON-decoded). Raises `EncodeError` for any failure."""
+    async def encode(self, payload: object, front: str = "http") -> dict[str, object]:
+        """Answer one `/encode` body (already JSON-decoded), which came in by `front` (`ops.metrics.FRONTS`).
+        Raises `EncodeError` for any failure."""
         request, meta, endpoints = self.admission.validate(payload)
         to = Destinations(meta, tuple(endpoints), inline=request.return_embedding,
                           registered=awaits_registrations(request))
         return await self._admitted(request, lambda deadline: self._serve(request, to, deadline),
                                     lambda error: self.handover.failed(to, error),
-                                    " (the request's timeout_s, at most --req-timeout-s)")
+                                    " (the request's timeout_s, at most --req-timeout-s)", front)
 
     async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
         """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
@@ -260,14 +261,15 @@ class EncoderService:
             part = await self.encoder.encode(meta, items, deadline, priority=priority)
             return part, part
 
-        return await self._admitted(request, rows)
+        return await self._admitted(request, rows, front="vllm")
 
     async def _admitted(self, request: EncodeRequest, work: Callable[[float], Awaitable[tuple[EncodedPart, T]]],
-                        on_failure: Callable[[EncodeError], None] | None = None, timeout_hint: str = "") -> T:
+                        on_failure: Callable[[EncodeError], None] | None = None, timeout_hint: str = "",
+                        front: str = "http") -> T:
         """Run `work(deadline)` for an admitted request within its timeout, and return its answer. Its ticket
         records how it ended; a timeout is a 504, a 500 while a rank is down a 503; `on_failure` is told of
         every failure but a cancellation (the client went away)."""
-        with self.admission.admit(request) as ticket:
+        with self.admission.admit(request, front) as ticket:
             try:
                 part, answer = await asyncio.wait_for(work(ticket.deadline), ticket.timeout_s)
             except asyncio.TimeoutError:
@@ -391,6 +393,8 @@ class EncoderService:
             "overlap": self.scheduler.overlap_info(),
             "uptime_s": time.time() - self.started_at,
             "cache_store": self.store_info(),
+            # front -> status -> finished requests: which doors the requests came in by (ops.metrics.FRONTS)
+            "fronts": self.metrics.answered_by_front(),
         }
 
     def store_info(self) -> dict[str, object] | None:

@@ -146,8 +146,9 @@ class Admission:
         return None
 
     @contextlib.contextmanager
-    def admit(self, request: EncodeRequest) -> Iterator[Ticket]:
-        """Admit a request for the duration of the block, or raise its 503/409."""
+    def admit(self, request: EncodeRequest, front: str = "http") -> Iterator[Ticket]:
+        """Admit a request for the duration of the block, or raise its 503/409. `front`: the door it came in by,
+        for the metrics (`ops.metrics.FRONTS`)."""
         key = (request.req_id, request.part_idx)
         error = self.refusal()
         if error is None and len(self._in_flight) >= self.settings.max_pending and (
@@ -160,7 +161,7 @@ class Admission:
                                      "each request part needs its own (req_id, part_idx) while it runs")
         if error is not None:
             error.req_id = request.req_id
-            self.metrics.requests_total.labels(request.modality, str(error.status)).inc()
+            self.metrics.answered(request.modality, front, str(error.status))
             raise error
         timeout = min(request.timeout_s or self.settings.req_timeout_s, self.settings.req_timeout_s)
         ticket = Ticket(started=self.clock.now(), timeout_s=timeout)
@@ -171,7 +172,7 @@ class Admission:
             self._in_flight.discard(key)
             if self.draining and not self._in_flight:
                 self._drained.set()
-            self.metrics.requests_total.labels(request.modality, ticket.status).inc()
+            self.metrics.answered(request.modality, front, ticket.status)
             elapsed = self.clock.now() - ticket.started
             self.metrics.request_duration.labels(request.modality, str(request.priority)).observe(elapsed)
             log.debug("request req_id=%s part=%d modality=%s items=%d status=%s duration_ms=%.1f",

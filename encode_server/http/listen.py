@@ -17,9 +17,10 @@ class ListenError(Exception):
     """The address cannot be listened on; the message names the fix."""
 
 
-def open_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.socket]:
+def open_listeners(host: str, port: int, backlog: int = 2048, flag: str = "--port") -> list[socket.socket]:
     """Listening TCP sockets for every address `host` resolves to (one for an IP literal; `localhost`
-    may give 127.0.0.1 and ::1), as `asyncio`'s `create_server(host, port)` would bind them."""
+    may give 127.0.0.1 and ::1), as `asyncio`'s `create_server(host, port)` would bind them. `flag`: the
+    setting of the port, named in the errors."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -43,7 +44,7 @@ def open_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.soc
                 # (bound-but-not-listening sockets with SO_REUSEADDR do not exclude each other on Linux).
                 sock.listen(backlog)
             except OSError as exc:
-                raise ListenError(_message(exc, host, port)) from None
+                raise ListenError(_message(exc, host, port, flag)) from None
             if port == 0:  # every address on the one port the kernel picked
                 port = sock.getsockname()[1]
     except BaseException:
@@ -53,15 +54,24 @@ def open_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.soc
     return sockets
 
 
-def _message(exc: OSError, host: str, port: int) -> str:
+def check_free(host: str, port: int, flag: str) -> None:
+    """Raise `ListenError` now if `port` cannot be listened on (for a server that binds it itself later, as
+    gRPC does: a busy port is then known before the model loads)."""
+    if port:
+        for sock in open_listeners(host, port, 1, flag):
+            sock.close()
+
+
+def _message(exc: OSError, host: str, port: int, flag: str = "--port") -> str:
     where = f"{host}:{port}"
+    env = "ENCODER_" + flag.lstrip("-").replace("-", "_").upper()
     if exc.errno == errno.EADDRINUSE:
         return (f"port {port} is already in use on {host}: stop what listens there or choose another port "
-                f"with --port (or ENCODER_PORT)")
+                f"with {flag} (or {env})")
     if exc.errno == errno.EADDRNOTAVAIL:
         return (f"cannot listen on {where}: {host} is not an address of this machine; set --host "
                 "(or ENCODER_HOST) to one of its addresses, or 0.0.0.0 for all")
     if exc.errno == errno.EACCES:
         return (f"cannot listen on {where}: permission denied (ports below 1024 need privileges); choose "
-                "a port above 1023 with --port (or ENCODER_PORT)")
-    return f"cannot listen on {where}: {exc.strerror or exc}; check --host and --port (ENCODER_HOST, ENCODER_PORT)"
+                f"a port above 1023 with {flag} (or {env})")
+    return f"cannot listen on {where}: {exc.strerror or exc}; check --host and {flag} (ENCODER_HOST, {env})"

@@ -1,7 +1,8 @@
-"""The optional transfer libraries (`transport`): whether each is installed, and the extra that installs it.
+"""The optional libraries: whether each is installed, and the extra that installs it.
 
-Neither Mooncake's TransferEngine nor NIXL is a dependency of the server: a server that is not asked
-for a transport that needs one starts without it, and one that is asked says which extra to install.
+Neither Mooncake's TransferEngine nor NIXL (`transport`) nor gRPC (`--grpc-port`) is a dependency of the
+server: a server that is not asked for what needs one starts without it, and one that is asked says which
+extra to install.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-#: library -> (the module it is imported as, the pip extra of this package that installs it, the wheel)
+#: library -> (the modules it is imported as, space-separated; the pip extra of this package that installs it;
+#: what to pip install)
 LIBRARIES: dict[str, tuple[str, str, str]] = {
     "mooncake": ("mooncake.engine", "mooncake",
                  "mooncake-transfer-engine-non-cuda (mooncake-transfer-engine on a CUDA machine); its binaries load "
                  "the system's libibverbs1, even over TCP (Debian/Ubuntu: apt-get install libibverbs1)"),
     "nixl": ("nixl._api", "nixl", "nixl (its wheels bundle UCX; it runs over TCP and shared memory where there is "
                                   "no RDMA NIC)"),
+    "grpc": ("grpc grpc_health.v1.health_pb2 grpc_reflection.v1alpha.reflection smg_grpc_proto.generated", "grpc",
+             "'encode-server[grpc]' (grpcio, grpcio-health-checking, grpcio-reflection and smg-grpc-proto)"),
 }
 
 
@@ -34,11 +38,11 @@ def load_problem(library: str) -> str | None:
 
     A wheel can be installed and still fail to import: Mooncake's binaries load the system's libibverbs
     even over TCP, and `find_spec` alone would call such a library installed."""
-    module = LIBRARIES[library][0]
     try:
-        if importlib.util.find_spec(module.partition(".")[0]) is None:
-            return "not installed"
-        importlib.import_module(module)
+        for module in LIBRARIES[library][0].split():
+            if importlib.util.find_spec(module.partition(".")[0]) is None:
+                return "not installed"
+            importlib.import_module(module)
     except ModuleNotFoundError:
         return "not installed"
     except (ImportError, OSError) as error:

@@ -37,6 +37,9 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
 #: The `status` values `encoder_requests_total` takes, created at 0 for every modality at start-up.
 KNOWN_STATUSES = ("200", "400", "409", "500", "502", "503", "504", "cancelled")
+#: The `front` values of `encoder_front_requests_total`: the door a request came in by (`/encode` over HTTP, SGLang's
+#: gRPC encoder service, vLLM's chat route).
+FRONTS = ("http", "grpc", "vllm")
 #: The `stage` values of `encoder_preprocess_seconds`.
 PREPROCESS_STAGES = ("read", "decode", "processor")
 
@@ -153,6 +156,9 @@ class ServerMetrics:
         self.requests_total = Counter(
             "encoder_requests_total", "Finished /encode requests by modality and outcome",
             ["modality", "status"], registry=r)
+        self.front_requests = Counter(
+            "encoder_front_requests_total", "Finished encode requests by the front that answered them and outcome",
+            ["front", "status"], registry=r)
         self.batch_size = Histogram(
             "encoder_batch_size", "Requests fused into one encoder forward", ["modality"],
             buckets=BATCH_SIZE_BUCKETS, registry=r)
@@ -210,11 +216,27 @@ class ServerMetrics:
         self.performance = PerformanceWindow()
         # The series every request or batch touches: `labels()` takes a lock and builds its key on each call,
         # a memo returns the same child from a dict (the label values are few: modalities, statuses, stages).
-        for metric in (self.requests_total, self.request_duration, self.preprocess, self.transfer,
+        for metric in (self.requests_total, self.front_requests, self.request_duration, self.preprocess, self.transfer,
                        self.queue_wait, self.batch_size, self.batch_tokens, self.forward):
             metric.labels = functools.lru_cache(maxsize=None)(metric.labels)
         for modality in modalities:
             self._create_series(modality)
+        for front in FRONTS:
+            self.front_requests.labels(front, "200")
+
+    def answered(self, modality: str, front: str, status: str) -> None:
+        """One finished request: by its modality, and by the front that answered it."""
+        self.requests_total.labels(modality, status).inc()
+        self.front_requests.labels(front, status).inc()
+
+    def answered_by_front(self) -> dict[str, dict[str, int]]:
+        """`/server_info`'s `fronts`: front -> status -> finished requests (the statuses seen so far)."""
+        found: dict[str, dict[str, int]] = {}
+        for metric in self.front_requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    found.setdefault(sample.labels["front"], {})[sample.labels["status"]] = int(sample.value)
+        return found
 
     def _create_series(self, modality: str) -> None:
         for status in KNOWN_STATUSES:

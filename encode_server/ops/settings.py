@@ -211,6 +211,11 @@ GROUPS: tuple[Group, ...] = (
         Option("--host", str, "127.0.0.1", "address HTTP listens on"),
         Option("--port", int, 30000, "port HTTP listens on",
                check=between(0, 65535)),
+        Option("--grpc-port", int, None,
+               "port SGLang's gRPC encoder service (sglang.grpc.encoder.SglangEncoder, with gRPC health and "
+               "reflection) listens on, on --host; off when unset. Needs the grpc extra: "
+               "pip install 'encode-server[grpc]'",
+               check=between(0, 65535)),
         Option("--api-key", str, None,
                "when set, every endpoint but /health and /metrics needs 'Authorization: Bearer <key>' (else 401)"),
         Option("--api-key-exempt-cidrs", str, None,
@@ -443,6 +448,8 @@ DEFAULTS: dict[str, Any] = {option.dest: option.default for option in OPTIONS}
 
 def check_together(settings: Settings) -> None:
     """The combinations of values that cannot go together, each refused in one line that says why."""
+    if settings.grpc_port is not None and settings.grpc_port == settings.port and settings.port != 0:
+        raise ValueError(f"--grpc-port and --port are both {settings.port}: give gRPC a port of its own")
     if settings.preprocess_device != "cpu" and (settings.tp_size > 1 or settings.dp_size > 1):
         raise ValueError("--preprocess-device cuda is for single-process servers: with --tp-size or --dp-size "
                          "above 1 every rank must preprocess alike")

@@ -19,12 +19,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from encode_server.delivery.sglang_wire import SglangFrames, SglangWire, seconds_per_grid_step
 from encode_server.models import BUILTIN_MODELS, ItemLayout
 from encode_server.records import EncodedPart, PartMeta
-from tests.support.helpers import InProcessServer, image_b64
+from tests.support.helpers import InProcessServer, Pull, image_b64
 from tests.support.sglang_frames import canonical, load
 
 SEND_TIMEOUT = 1.5
@@ -43,27 +42,6 @@ SGLANG_EXTRAS = {"encoder_idx": 0, "encoder_url": "http://127.0.0.1:1", "time_st
 def server():
     with InProcessServer("--wire-format", "sglang", "--send-timeout-s", str(SEND_TIMEOUT)) as process:
         yield process
-
-
-class Pull:
-    """A bound PULL socket, as SGLang's tokenizer or scheduler rank binds one."""
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PULL)
-        if ":" in host:
-            self.socket.setsockopt(zmq.IPV6, 1)
-        self.port = self.socket.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
-        self.receive_url = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-
-    def receive(self, timeout_s: float = 20.0) -> list[bytes]:
-        if not self.socket.poll(int(timeout_s * 1000)):
-            raise TimeoutError("nothing arrived")
-        return self.socket.recv_multipart()
-
-    def close(self) -> None:
-        self.socket.close(0)
-        self.context.term()
 
 
 def post(server, body: dict) -> httpx.Response:

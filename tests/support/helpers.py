@@ -120,6 +120,30 @@ def push(port: int, *messages: list[bytes]) -> None:
     sock.close(linger=2000)
 
 
+class Pull:
+    """A bound PULL socket, as SGLang's tokenizer or scheduler rank binds one (`receive_url`: what a rank
+    registers)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        import zmq
+
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PULL)
+        if ":" in host:
+            self.socket.setsockopt(zmq.IPV6, 1)
+        self.port = self.socket.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
+        self.receive_url = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def receive(self, timeout_s: float = 20.0) -> list[bytes]:
+        if not self.socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError("nothing arrived")
+        return self.socket.recv_multipart()
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+
+
 def rel_diff(a, b) -> float:
     """Largest absolute difference relative to the largest magnitude of the reference `b` (arrays or tensors)."""
     a, b = (np.asarray(x.detach().double() if hasattr(x, "detach") else x, dtype=np.float64) for x in (a, b))

@@ -22,4 +22,4 @@ def import_or_skip(library: str, module: str | None = None) -> ModuleType:
         extra = LIBRARIES[library][1]
         remedy = f": pip install -e '.[{extra}]'" if problem == "not installed" else ""
         pytest.skip(f"{library} is {problem}{remedy}", allow_module_level=True)
-    return importlib.import_module(module or LIBRARIES[library][0])
+    return importlib.import_module(module or LIBRARIES[library][0].split()[0])

@@ -322,18 +322,24 @@ def scheduler_mode(ranks: Ranks, urls: list[str], items: list[str], expected, st
     ready = receiver._send_encode_request(obj, on_dispatch_error=errors.append)
     ranks.run(obj.rid, obj.num_items_assigned, obj.encoder_urls)
     ready.set()
-    outcome = ranks.collect()
-    details, ok = [], not errors
+    ok, details = ranks_outcome(ranks.collect(), lambda report: compare(report, expected))
+    ok &= not errors
+    parts = sum(1 for count in obj.num_items_assigned[next(iter(obj.num_items_assigned))] if count)
+    record(step, ok, f"{parts} part(s); " + "; ".join(details) + (f"; dispatch error {errors}" if errors else ""))
+
+
+def ranks_outcome(outcome: dict[int, tuple], judge) -> tuple[bool, list[str]]:
+    """Whether every rank got its rows (`judge(report) -> (ok, detail)`), and a line per rank."""
+    details, ok = [], True
     for rank, (kind, _, payload) in sorted(outcome.items()):
         if kind != "done":
             ok = False
             details.append(f"rank {rank} {kind}: {payload if kind != 'crashed' else payload[-400:]}")
             continue
-        rank_ok, detail = compare(payload, expected)
+        rank_ok, detail = judge(payload)
         ok &= rank_ok
         details.append(f"rank {rank}: {detail}")
-    parts = sum(1 for count in obj.num_items_assigned[next(iter(obj.num_items_assigned))] if count)
-    record(step, ok, f"{parts} part(s); " + "; ".join(details) + (f"; dispatch error {errors}" if errors else ""))
+    return ok, details
 
 
 def corrupt_image(ranks: Ranks, url: str, good: str) -> None:

@@ -7,6 +7,7 @@
 #   PYTHONPATH=$PWD VENV/bin/python tools/compat/sglang_compat.py
 #   PYTHONPATH=$PWD VENV/bin/python tools/reference/sglang_golden.py check
 #   MOONCAKE_PROTOCOL=tcp MC_FORCE_TCP=1 PYTHONPATH=$PWD VENV/bin/python tools/compat/sglang_transport_compat.py
+#   PYTHONPATH=$PWD VENV/bin/python tools/compat/sglang_grpc_compat.py   # SGLang's gRPC receiver against --grpc-port
 #   python benchmarks/sglang_compare.py --sglang-python VENV/bin/python   # SGLang's own encoder server against ours
 set -euo pipefail
 
@@ -30,6 +31,9 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check)
     "pyzmq>=26.4" "orjson>=3.9" "pillow>=10" "numpy>=1.26" "prometheus_client>=0.20" "safetensors>=0.4" \
     "soundfile>=0.12" "librosa>=0.10" "sortedcontainers>=2.4" "httpx>=0.27" "huggingface_hub>=1.31,<3" "blake3>=0.4" \
     "fastapi-offline>=1.7,<2"
+# SGLang's gRPC encoder protocol (SGLANG_ENCODER_MM_RECEIVER_MODE=grpc): its generated classes and grpcio, which
+# SGLang's receiver imports when its encoder URLs are grpc://, and this server's grpc extra.
+"${PIP[@]}" "smg-grpc-proto>=0.4.28,<0.5" "grpcio>=1.81.1" "grpcio-health-checking>=1.81.1" "grpcio-reflection>=1.81.1"
 # Mooncake's TransferEngine, for the mooncake backend (tools/compat/sglang_transport_compat.py).
 "${PIP[@]}" mooncake-transfer-engine-non-cuda
 "$VENV/bin/python" -W ignore -c "import sglang, sglang.srt.disaggregation.encoder.receiver; print('SGLang', sglang.__version__, 'ready in $VENV')"

@@ -35,9 +35,12 @@ class SglangFront(Front):
     def libraries_needed(settings: Settings) -> list[tuple[str, str]]:
         """The optional libraries this front needs with these settings, and what to call it in the refusal
         (checked before the model loads: `runtime.check_libraries`)."""
+        needed = []
         if settings.encoder_transfer_backend == "mooncake":
-            return [("mooncake", "--encoder-transfer-backend mooncake")]
-        return []
+            needed.append(("mooncake", "--encoder-transfer-backend mooncake"))
+        if settings.grpc_port is not None:
+            needed.append(("grpc", "--grpc-port (SGLang's gRPC encoder service)"))
+        return needed
 
     def mount(self, app: FastAPI) -> None:
         def stager(request: Request) -> SglangMooncakeStager:

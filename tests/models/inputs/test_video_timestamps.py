@@ -27,7 +27,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.media.decoding import MediaLimits, decode_frames, decode_video
@@ -35,7 +34,7 @@ from encode_server.models import ItemLayout
 from encode_server.models.inputs.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 from encode_server.records import EncodedPart, PartMeta
 from tests.support.checkpoints.prompts import VISION_PROMPTS, build, prompt_timestamps
-from tests.support.helpers import InProcessServer, png_bytes
+from tests.support.helpers import InProcessServer, Pull, png_bytes
 from tests.support.sglang_frames import load
 from tests.support.tiny_parts import clip
 
@@ -247,22 +246,6 @@ def test_sglang_frames_carry_each_video_items_timestamps():
     assert obj.second_per_grid_ts is None and obj.grid_dim.tolist() == [[2, 4, 4], [3, 2, 2]]
     plain = EncodedPart(embedding=torch.zeros(8, 8), layouts=(ItemLayout(tokens=8, grid_thw=(2, 4, 4)),), batch_size=1)
     assert load(SglangWire().success_frames(PartMeta("w", 0, 1, "video"), plain)[0]).video_timestamps is None
-
-
-class Pull:
-    def __init__(self) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PULL)
-        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-
-    def receive(self, timeout_s: float = 30.0) -> list[bytes]:
-        if not self.socket.poll(int(timeout_s * 1000)):
-            raise TimeoutError("nothing arrived")
-        return self.socket.recv_multipart()
-
-    def close(self) -> None:
-        self.socket.close(0)
-        self.context.term()
 
 
 def encode(server, pull: Pull, req_id: str, items: list) -> tuple[dict, list[bytes]]:
