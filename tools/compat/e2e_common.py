@@ -1,0 +1,201 @@
+"""What the whole-engine end-to-end tools (`tools/compat/e2e_sglang.py`, `tools/compat/e2e_vllm.py`) share.
+
+Each tool runs in the project's venv and starts every process itself, on free loopback ports: this server
+(`python -m encode_server`, from the project's venv), the engine (from its side venv, built by
+`tools/compat/e2e_sglang.sh` or `tools/compat/e2e_vllm.sh`), and for vLLM its example proxy. Here: the
+processes (their output in a log file each, stopped by signal to their own process group), the tiny
+checkpoint both sides load (a Qwen2-VL of two layers, saved with `save_pretrained`, its full processor and an
+offline byte-level tokenizer: tests/support/checkpoints/prompts.py), the control checkpoint (the same, its
+vision tower's weights changed, so the rows it gives differ), the images, and the pass/fail lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: (check, passed, detail), in order.
+RESULTS: list[tuple[str, bool, str]] = []
+#: (what, seconds), in order: start times and per-request times.
+FIGURES: list[tuple[str, float]] = []
+
+
+def record(check: str, ok: bool, detail: str = "") -> bool:
+    RESULTS.append((check, ok, detail))
+    print(f"[{'PASS' if ok else 'FAIL'}] {check}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def figure(what: str, seconds: float) -> None:
+    FIGURES.append((what, seconds))
+    print(f"[time] {what}: {seconds:.2f} s", flush=True)
+
+
+def summary() -> int:
+    """The figures and the checks again, and the exit status: 0 when every check passed."""
+    print("\n| figure | seconds |\n| --- | --- |")
+    for what, seconds in FIGURES:
+        print(f"| {what} | {seconds:.2f} |")
+    passed = sum(ok for _, ok, _ in RESULTS)
+    print(f"\n{passed} passed, {len(RESULTS) - passed} failed")
+    return 0 if RESULTS and passed == len(RESULTS) else 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """A command in its own process group, its output in `log`; `ready()` waits for an HTTP GET to answer 200."""
+
+    def __init__(self, name: str, command: list[str], log: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.name, self.command, self.log = name, command, log
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def __enter__(self) -> Process:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        sink = open(self.log, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.command, stdout=sink, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=self.cwd, start_new_session=True)
+        sink.close()
+        return self
+
+    def ready(self, url: str, timeout: float) -> float:
+        """Seconds from the start until `url` answered 200; raises with the log's tail if it exits or times out."""
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(url, timeout=5).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not answer {url} within {timeout:g} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # children the engine left in its group (schedulers, detokenizers)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def encode_server(name: str, port: int, work: Path, *args: str, python: str | None = None) -> Process:
+    """This server from the project's venv (`python`, default this interpreter), this checkout first on its path."""
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return Process(name, [python or sys.executable, "-m", "encode_server", "--host", "127.0.0.1", "--port",
+                          str(port), *args], work / f"{name}.log", env=env, cwd=ROOT)
+
+
+# --- the checkpoints --------------------------------------------------------------------------------
+
+#: vLLM's chat parsing puts each image's placeholder into the text itself when the template takes the
+#: content as a string; a template of its own keeps the prompt free of words the byte-level tokenizer would
+#: spell out differently on each side.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def build_checkpoint(folder: Path) -> Path:
+    """The tiny Qwen2-VL (language model included) with its full processor, tokenizer and a chat template."""
+    if (folder / "config.json").exists() and (folder / "chat_template.jinja").exists():
+        return folder
+    from tests.support.checkpoints.prompts import build
+
+    folder = build("qwen2_vl", folder)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def build_control(folder: Path, control: Path) -> Path:
+    """A copy of `folder` whose vision tower weights are negated and scaled: the same language model, other rows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (control / "config.json").exists():
+        return control
+    shutil.copytree(folder, control)
+    for file in control.glob("*.safetensors"):
+        tensors = load_file(file)
+        changed = {name: (-1.5 * tensor if "visual" in name else tensor).contiguous()
+                   for name, tensor in tensors.items()}
+        if not any("visual" in name for name in tensors):
+            continue
+        save_file(changed, file, metadata={"format": "pt"})
+    return control
+
+
+# --- the images -------------------------------------------------------------------------------------
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def transparent_png(width: int, height: int, seed: int) -> bytes:
+    """An RGB PNG with a `tRNS` chunk (one colour transparent), the kind vLLM 0.32 and 0.33 identify differently."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    pixels[: height // 2, : width // 2] = (10, 20, 30)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG", transparency=(10, 20, 30))
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
