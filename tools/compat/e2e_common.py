@@ -125,11 +125,14 @@ class Process:
             pass
 
 
-def encode_server(name: str, port: int, work: Path, *args: str, python: str | None = None) -> Process:
-    """This server from the project's venv (`python`, default this interpreter), this checkout first on its path."""
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def encode_server(name: str, port: int, work: Path, *args: str, python: str | None = None,
+                  root: Path | None = None) -> Process:
+    """This server from the project's venv (`python`, default this interpreter), the checkout `root` (default this
+    one) first on its path."""
+    root = root or ROOT
+    env = {"PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return Process(name, [python or sys.executable, "-m", "encode_server", "--host", "127.0.0.1", "--port",
-                          str(port), *args], work / f"{name}.log", env=env, cwd=ROOT)
+                          str(port), *args], work / f"{name}.log", env=env, cwd=root)
 
 
 # --- the checkpoints --------------------------------------------------------------------------------

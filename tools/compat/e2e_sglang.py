@@ -158,23 +158,21 @@ def language_only(sglang: Sglang, mode: str, encoder_port: int, grpc_port: int |
                           f"http://127.0.0.1:{encoder_port}", "--encoder-transfer-backend", mode)
 
 
-def our_server(work: Path, name: str, model: Path, port: int, grpc_port: int | None, python: str | None,
-               mode: str) -> Process:
+def our_server(args, name: str, model: Path, port: int, grpc_port: int | None, mode: str) -> Process:
     flags = ["--model", str(model), "--wire-format", "sglang", "--log-level", "info"]
     if grpc_port is not None:
         flags += ["--grpc-port", str(grpc_port)]
     if mode == "mooncake":
         flags += ["--encoder-transfer-backend", "mooncake", "--mooncake-protocol", "tcp"]
-    return encode_server(name, port, work, *flags, python=python)
+    return encode_server(name, port, args.work, *flags, python=args.server_python, root=args.server_root)
 
 
 def run_mode(args, sglang: Sglang, model: Path, control: Path, mode: str, reference: list[list[int]],
              control_reference: list[list[int]], with_control: bool) -> None:
-    work = args.work
     port = free_port()
     grpc_port = free_port() if mode == "grpc" else None
     batch = prompts()
-    with our_server(work, f"encoder-{mode}", model, port, grpc_port, args.server_python, mode) as ours:
+    with our_server(args, f"encoder-{mode}", model, port, grpc_port, mode) as ours:
         figure(f"this server start ({mode})", ours.ready(f"http://127.0.0.1:{port}/health", 300))
         with language_only(sglang, mode, port, grpc_port) as engine:
             url = f"http://127.0.0.1:{engine.command[engine.command.index('--port') + 1]}"
@@ -201,8 +199,7 @@ def run_mode(args, sglang: Sglang, model: Path, control: Path, mode: str, refere
                    f"encoder_requests_total grew by {used:g} for {expected} SGLang requests")
             if with_control:
                 ours.__exit__(None, None, None)
-                with our_server(work, "encoder-control", control, port, grpc_port, args.server_python,
-                                mode) as changed:
+                with our_server(args, "encoder-control", control, port, grpc_port, mode) as changed:
                     changed.ready(f"http://127.0.0.1:{port}/health", 300)
                     control_tokens = [generate(url, prompt, args.tokens)[0] for prompt in control_prompts()]
                 record(f"{mode}: negative control: rows changed on purpose change the tokens",
@@ -214,6 +211,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sglang-python", default=str(ROOT / ".sglang-venv" / "bin" / "python"))
     parser.add_argument("--server-python", default=None, help="this server's interpreter (default: this one)")
+    parser.add_argument("--server-root", type=Path, default=None,
+                        help="the checkout this server runs from (default: this one)")
     parser.add_argument("--modes", nargs="+", default=["zmq_to_scheduler", "zmq_to_tokenizer", "grpc"],
                         choices=["zmq_to_scheduler", "zmq_to_tokenizer", "grpc", "mooncake"])
     parser.add_argument("--tokens", type=int, default=12)

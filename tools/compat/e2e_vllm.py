@@ -139,7 +139,7 @@ def run_mode(args, model: Path, control: Path, proxy_mode: str, reference: list[
     batch = prompts()
     label = f"vLLM behind its proxy + this server ({proxy_mode})"
     with encode_server(f"encoder-vllm-{proxy_mode}", e_port, args.work, *server_flags,
-                       python=args.server_python) as ours, \
+                       python=args.server_python, root=args.server_root) as ours, \
             vllm(args, f"vllm-consumer-{proxy_mode}", pd_port, model, "--ec-transfer-config",
                  consumer_config) as consumer, \
             Process(f"proxy-{proxy_mode}", [args.vllm_python, str(args.proxy), "--host", "127.0.0.1", "--port",
@@ -172,9 +172,9 @@ def run_mode(args, model: Path, control: Path, proxy_mode: str, reference: list[
                                    f"files written")
         if with_control:
             ours.__exit__(None, None, None)
-            with encode_server("encoder-vllm-control", e_port, args.work, *[
-                    str(control) if flag == str(model) and index == 1 else flag
-                    for index, flag in enumerate(server_flags)], python=args.server_python) as changed:
+            control_flags = [str(control) if index == 1 else flag for index, flag in enumerate(server_flags)]
+            with encode_server("encoder-vllm-control", e_port, args.work, *control_flags,
+                               python=args.server_python, root=args.server_root) as changed:
                 changed.ready(f"http://127.0.0.1:{e_port}/health", 300)
                 control_tokens = [chat(url, model_id, images, args.tokens)[0] for images in control_prompts()]
             record(f"{proxy_mode}: negative control: rows changed on purpose change the tokens",
@@ -188,6 +188,8 @@ def main() -> int:
     parser.add_argument("--vllm-python", default=str(venv / "bin" / "python"))
     parser.add_argument("--proxy", type=Path, default=venv / "share" / "vllm-0.32.0" / "disagg_epd_proxy.py")
     parser.add_argument("--server-python", default=None, help="this server's interpreter (default: this one)")
+    parser.add_argument("--server-root", type=Path, default=None,
+                        help="the checkout this server runs from (default: this one)")
     parser.add_argument("--consumer-version", default="0.32.0", help="given to this server as --ec-vllm-version")
     parser.add_argument("--proxy-modes", nargs="+", default=["rewrite", "no-rewrite"],
                         choices=["rewrite", "no-rewrite"])
