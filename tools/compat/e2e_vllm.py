@@ -12,8 +12,8 @@ builds (`.vllm-cpu-venv` by default; it also takes vLLM 0.32.0's example proxy,
 On a tiny Qwen2-VL checkpoint built here (`tools/compat/e2e_common.py`) it starts:
 
 1. vLLM alone (`python -m vllm.entrypoints.openai.api_server`, its own vision tower) and sends the prompts
-   through `/v1/chat/completions`: one image, two images, three images of which one is an RGB PNG with a
-   `tRNS` chunk (transparent), all at once, then one after the other (the per-request times). Greedy
+   through `/v1/chat/completions`: one image, two images, three images, and one RGB PNG with a `tRNS` chunk
+   (transparent), all at once, then one after the other (the per-request times). Greedy
    (`temperature` 0, `ignore_eos`), `max_tokens` tokens; the ids from `return_token_ids`. The reference.
 2. Per proxy mode: this server (`--ec-storage` a fresh folder, `--ec-model-id` the consumer's `--model` string,
    `--ec-vllm-version` the consumer's version), vLLM as the consumer (`--ec-transfer-config` ECExampleConnector
@@ -23,7 +23,8 @@ On a tiny Qwen2-VL checkpoint built here (`tools/compat/e2e_common.py`) it start
    `uuid`s: both sides hash the media). The same prompts through the proxy must give exactly the reference
    tokens, and every item must have been loaded from us: each folder in the storage holds a file (a consumer
    that misses leaves an empty folder at its own identifier and encodes with its own tower), and the
-   consumer's connector logged a load for every item.
+   consumer's connector logged a load for every item. The prompts are sent twice (all at once, then one by one),
+   so the second time every item is already stored: a hit must be answered as a miss is.
 3. The negative control, in the first mode: this server on the control checkpoint (its vision tower's
    weights changed) writing for other images: the tokens must differ from vLLM alone's for those images.
 
@@ -67,10 +68,11 @@ LOADED = "Success load encoder cache for hash"
 
 
 def prompts() -> list[list[str]]:
-    """Each prompt's images: one; two; three, the last a transparent (tRNS) PNG."""
+    """Each prompt's images: one; two; three; one transparent PNG (an RGB PNG with a `tRNS` chunk)."""
     return [[data_url(png(56, 84, 1))],
             [data_url(png(112, 56, 2)), data_url(png(84, 84, 3))],
-            [data_url(png(140, 56, 4)), data_url(png(56, 56, 5)), data_url(transparent_png(98, 70, 6))]]
+            [data_url(png(140, 56, 4)), data_url(png(56, 56, 5)), data_url(png(98, 70, 7))],
+            [data_url(transparent_png(98, 70, 6))]]
 
 
 def control_prompts() -> list[list[str]]:
@@ -160,7 +162,7 @@ def run_mode(args, model: Path, control: Path, proxy_mode: str, reference: list[
             return
         for index, (ours_ids, alone) in enumerate(zip(tokens, reference)):
             record(f"{proxy_mode}: prompt {index} ({len(batch[index])} image(s)"
-                   f"{', one transparent PNG' if index == 2 else ''}) tokens equal vLLM alone's",
+                   f"{', transparent PNG' if index == 3 else ''}) tokens equal vLLM alone's",
                    ours_ids == alone, f"{ours_ids}" if ours_ids == alone else f"{ours_ids} vs alone {alone}")
         items = sum(len(images) for images in batch)
         full, empty = storage_report(storage)
