@@ -168,10 +168,11 @@ def run_mode(args, model: Path, control: Path, proxy_mode: str, reference: list[
         full, empty = storage_report(storage)
         record(f"{proxy_mode}: no consumer miss (no empty folder left at a consumer's own identifier)",
                not empty, f"{len(full)} files, empty folders: {empty}")
-        loads = consumer.text().count(LOADED)
-        record(f"{proxy_mode}: the consumer's connector loaded every item from our files", loads >= items and
-               len(full) >= items, f"{loads} loads logged by ECExampleConnector for {items} items; {len(full)} "
-                                   f"files written")
+        loaded = {line.rsplit(" ", 1)[-1] for line in consumer.text().splitlines() if LOADED in line}
+        record(f"{proxy_mode}: the consumer's connector loaded every item from our files",
+               len(loaded) >= items and loaded <= set(full),
+               f"ECExampleConnector logged loads of {len(loaded)} identifiers for {items} items; {len(full)} files "
+               f"written, {len(loaded - set(full))} loaded identifiers not among them")
         if with_control:
             ours.__exit__(None, None, None)
             control_flags = [str(control) if index == 1 else flag for index, flag in enumerate(server_flags)]
