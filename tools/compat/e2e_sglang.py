@@ -4,7 +4,8 @@ Runs in the project's venv from the repository root, with SGLang in the side ven
 `tools/compat/e2e_sglang.sh` builds (`.sglang-venv` by default):
 
     PYTHONPATH=$PWD .venv/bin/python tools/compat/e2e_sglang.py [--sglang-python .sglang-venv/bin/python]
-        [--modes zmq_to_scheduler zmq_to_tokenizer grpc mooncake] [--tokens 12]
+        [--modes zmq_to_scheduler zmq_to_tokenizer grpc mooncake] [--tokens 12] [--reuse-reference]
+        [--server-root CHECKOUT]
 
 On a tiny Qwen2-VL checkpoint built here (a two-layer language model and vision tower, its full processor and
 an offline byte-level tokenizer: `tools/compat/e2e_common.py`) it starts:
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import re
 import sys
@@ -216,6 +218,8 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=["zmq_to_scheduler", "zmq_to_tokenizer", "grpc"],
                         choices=["zmq_to_scheduler", "zmq_to_tokenizer", "grpc", "mooncake"])
     parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--reuse-reference", action="store_true",
+                        help="take SGLang alone's tokens from the work folder's last run instead of starting it")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--work", type=Path, default=ROOT / ".e2e-work")
     args = parser.parse_args()
@@ -225,11 +229,16 @@ def main() -> int:
     sglang = Sglang(args.sglang_python, args.work, model)
 
     batch = prompts()
-    with sglang.process("sglang-alone", free_port()) as alone:
-        url = f"http://127.0.0.1:{alone.command[alone.command.index('--port') + 1]}"
-        figure("SGLang alone start", alone.ready(url + "/health", args.start_timeout))
-        reference = run_prompts(url, batch, args.tokens, "SGLang alone")
-        control_reference = [generate(url, prompt, args.tokens)[0] for prompt in control_prompts()]
+    saved = args.work / f"sglang-alone-{args.tokens}.json"
+    if args.reuse_reference and saved.exists():
+        reference, control_reference = json.loads(saved.read_text())
+    else:
+        with sglang.process("sglang-alone", free_port()) as alone:
+            url = f"http://127.0.0.1:{alone.command[alone.command.index('--port') + 1]}"
+            figure("SGLang alone start", alone.ready(url + "/health", args.start_timeout))
+            reference = run_prompts(url, batch, args.tokens, "SGLang alone")
+            control_reference = [generate(url, prompt, args.tokens)[0] for prompt in control_prompts()]
+        saved.write_text(json.dumps([reference, control_reference]))
     print(f"SGLang alone: {reference}", flush=True)
     record("SGLang alone generates tokens for every prompt", all(len(ids) == args.tokens for ids in reference))
 
