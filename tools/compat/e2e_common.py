@@ -55,6 +55,12 @@ def summary() -> int:
     return 0 if RESULTS and passed == len(RESULTS) else 1
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the tool as an exception would, so every process it started is stopped on the way out (a tool
+    started in the background from a shell ignores SIGINT)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -60,6 +60,7 @@ from tools.compat.e2e_common import (  # noqa: E402
     free_port,
     png,
     record,
+    stop_on_sigterm,
     summary,
 )
 
@@ -223,6 +224,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--work", type=Path, default=ROOT / ".e2e-work")
     args = parser.parse_args()
+    stop_on_sigterm()
     args.work = args.work.resolve()
     model = build_checkpoint(args.work / "qwen2-vl")
     control = build_control(model, args.work / "qwen2-vl-control")

@@ -58,6 +58,7 @@ from tools.compat.e2e_common import (  # noqa: E402
     free_port,
     png,
     record,
+    stop_on_sigterm,
     summary,
     transparent_png,
 )
@@ -200,6 +201,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--work", type=Path, default=ROOT / ".e2e-work")
     args = parser.parse_args()
+    stop_on_sigterm()
     args.work = args.work.resolve()
     if not args.proxy.exists():
         print(f"vLLM's example proxy is not at {args.proxy}: run tools/compat/e2e_vllm.sh, or pass --proxy")
