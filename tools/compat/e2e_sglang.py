@@ -17,7 +17,9 @@ an offline byte-level tokenizer: `tools/compat/e2e_common.py`) it starts:
 2. Per mode: this server (`--model` the same folder, `--wire-format sglang`, and `--grpc-port` for `grpc`)
    and SGLang `--language-only --encoder-urls http://127.0.0.1:PORT --encoder-transfer-backend MODE`
    (`grpc`: `--encoder-urls grpc://127.0.0.1:GRPC_PORT` with `SGLANG_ENCODER_MM_RECEIVER_MODE=grpc` and
-   `zmq_to_tokenizer`, the only pairing SGLang 0.5.23 survives). The same prompts must give exactly the
+   `zmq_to_tokenizer`, the only pairing SGLang 0.5.23 survives, and
+   `SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_INTERVAL=0`: SGLang's encoder registry probes each URL with an HTTP
+   `GET /health` and evicts a `grpc://` one). The same prompts must give exactly the
    reference tokens; this server's `encoder_requests_total` must have grown by the requests SGLang sent
    (a language-only SGLang has no vision tower: nothing else could have made the rows).
 3. The negative control, in the first mode: this server on the control checkpoint (the same folder with its
@@ -156,7 +158,10 @@ def language_only(sglang: Sglang, mode: str, encoder_port: int, grpc_port: int |
     if mode == "grpc":
         return sglang.process(f"sglang-language-{mode}", free_port(), "--language-only", "--encoder-urls",
                               f"grpc://127.0.0.1:{grpc_port}", "--encoder-transfer-backend", "zmq_to_tokenizer",
-                              env={"SGLANG_ENCODER_MM_RECEIVER_MODE": "grpc"})
+                              env={"SGLANG_ENCODER_MM_RECEIVER_MODE": "grpc",
+                                   # its encoder registry probes every URL with an HTTP GET of /health, which a
+                                   # grpc:// URL never answers: it would evict the encoder after three probes
+                                   "SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_INTERVAL": "0"})
     return sglang.process(f"sglang-language-{mode}", free_port(), "--language-only", "--encoder-urls",
                           f"http://127.0.0.1:{encoder_port}", "--encoder-transfer-backend", mode)
 
