@@ -27,12 +27,12 @@ from encode_server.delivery.formats import wire_format
 from encode_server.delivery.handover import Handover
 from encode_server.delivery.sockets import EmbeddingSender
 from encode_server.engine import EncoderEngine
-from encode_server.media.decoding import MediaLimits
+from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes
 from encode_server.media.loader import MediaLoader
 from encode_server.media.priority_pool import PriorityThreadPool
-from encode_server.models import EncoderAdapter, ItemLayout
+from encode_server.models import EncoderAdapter, ItemError, ItemLayout
 from encode_server.ops.cores import usable_cores
-from encode_server.ops.health import HealthProbe
+from encode_server.ops.health import HealthProbe, fit_sample
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import DataParallelReplicas, WorkerGroup
@@ -85,6 +85,20 @@ def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: Me
     return PreprocessPool(adapter, limits, workers, item_timeout_s=settings.req_timeout_s)
 
 
+def probe_sample(adapter: EncoderAdapter, limits: MediaLimits) -> tuple[str, bytes]:
+    """The health probe's input: the model's sample file shrunk to within `limits` (`ops.health.fit_sample`).
+    ValueError, naming the setting, when the model refuses even that (the server cannot be healthy then)."""
+    modality, data = adapter.sample_encoded()
+    fitted = fit_sample(modality, data, limits.max_image_pixels, limits.max_audio_seconds)
+    try:
+        adapter.item_layout(modality, decode_bytes(modality, fitted, limits, "the health probe's item"))
+    except (MediaError, ItemError) as exc:
+        setting = "--max-image-pixels" if modality == "image" else "--max-audio-seconds"
+        raise ValueError(f"the health probe's {modality} cannot fit within {setting} and still be encoded "
+                         f"({exc}); raise {setting}") from None
+    return modality, fitted
+
+
 def zmq_delivery(settings: Settings, adapter: EncoderAdapter, metrics: ServerMetrics) -> Delivery:
     """ZMQ delivery in `--wire-format`: the default hand-over, and `/scheduler_receive_url`'s registrations
     (they live as long as a request may: the send timeout bounds how late one may come)."""
@@ -128,6 +142,7 @@ def build_service(settings: Settings, adapter: EncoderAdapter, group: WorkerGrou
     is the hand-over."""
     clock = clock or MonotonicClock()
     metrics = metrics or ServerMetrics(modalities=adapter.info.modalities)
+    metrics.lanes = max(1, settings.dp_size)  # forwards side by side, for the busy fraction
     # Decoding is ordered by priority too, so an interactive request does not wait behind a flood's decodes.
     media_pool = PriorityThreadPool(settings.media_workers, thread_name_prefix="media")
     limits = MediaLimits.from_settings(settings, adapter)
@@ -164,7 +179,7 @@ def build_service(settings: Settings, adapter: EncoderAdapter, group: WorkerGrou
     # `jobs.submit_shared`, ordered by the most urgent request waiting for them.
     cached = CachedEncoding(cache, keys, media, adapter.item_layout, metrics, jobs.submit_shared, native_store,
                             clock.now) if keys is not None else None
-    encoder = PartEncoder(adapter, media, jobs, cached, clock)
+    encoder = PartEncoder(adapter, media, jobs, cached, clock, probe_sample(adapter, limits))
     delivery = delivery or zmq_delivery(settings, adapter, metrics)
     parts = ServiceParts(
         adapter=adapter, group=group, clock=clock, metrics=metrics,

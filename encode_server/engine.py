@@ -256,8 +256,7 @@ class EncoderEngine:
         if list(layouts) != expected:
             raise RuntimeError(f"processor grids {list(layouts)} differ from the admitted layouts {expected}")
         embeddings = self.adapter.split_rows(expected, rows, [len(job.layouts) for job in jobs])
-        self.metrics.forward.labels(modality).observe(forward_s)
-        self.metrics.batch_tokens.labels(modality).observe(rows.shape[0])
+        self.metrics.record_forward(modality, len(expected), rows.shape[0], forward_s)
         log.info("batch modality=%s size=%d items=%d tokens=%d preprocess_ms=%.1f forward_ms=%.1f %s",
                  modality, len(jobs), len(expected), rows.shape[0], preprocess_s * 1e3, forward_s * 1e3, where,
                  extra={"modality": modality, "batch_size": len(jobs), "items": len(expected),

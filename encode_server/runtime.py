@@ -18,7 +18,7 @@ import logging
 import time
 
 import encode_server
-from encode_server.assembly import build_service, zmq_delivery
+from encode_server.assembly import build_service, probe_sample, zmq_delivery
 from encode_server.cache.store_client import libraries_needed as store_libraries
 from encode_server.delivery.destinations import Delivery
 from encode_server.delivery.handover import Handover
@@ -26,6 +26,7 @@ from encode_server.fronts.base import Front
 from encode_server.fronts.native.routes import NativeFront
 from encode_server.fronts.sglang.front import SglangFront
 from encode_server.fronts.vllm.front import VllmFront
+from encode_server.media.decoding import MediaLimits
 from encode_server.models import DTYPE_NAMES, EncoderAdapter
 from encode_server.ops.libraries import MissingLibrary, require
 from encode_server.ops.metrics import ServerMetrics
@@ -93,6 +94,10 @@ def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None
                 use_device_preprocessing(adapter, settings.preprocess_device)
             except PreprocessDeviceError as exc:
                 raise StartError(str(exc)) from None
+        try:  # before "ready": a server whose own health probe cannot pass would never become ready
+            probe_sample(adapter, MediaLimits.from_settings(settings, adapter))
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
     except (ValueError, OSError) as exc:  # CheckpointError and ShardingError are ValueErrors
         if group is not None:
             group.stop()

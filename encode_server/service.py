@@ -16,7 +16,7 @@ import base64
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -47,6 +47,7 @@ from encode_server.responses import encode_response
 from encode_server.scheduling.clock import Clock
 from encode_server.scheduling.cost_model import CostModel
 from encode_server.scheduling.demand import Demand, SharedDemand
+from encode_server.scheduling.load import LoadReport, ModalityLoad
 from encode_server.scheduling.scheduler import EncoderScheduler
 from encode_server.scheduling.scheduler_thread import SchedulerThread
 
@@ -104,8 +105,11 @@ class PartEncoder:
     on, only those it does not hold), then encoded in one fused job."""
 
     def __init__(self, adapter: EncoderAdapter, media: MediaLoader, jobs: JobQueue, cached: CachedEncoding | None,
-                 clock: Clock) -> None:
+                 clock: Clock, probe_input: tuple[str, bytes] | None = None) -> None:
         self.adapter = adapter
+        # The health probe's (modality, file bytes): the model's sample fitted to the decode limits
+        # (`assembly.probe_sample`); the sample as it is by default.
+        self.probe_input = probe_input
         self.media = media
         self.jobs = jobs
         self.cached = cached
@@ -130,7 +134,7 @@ class PartEncoder:
 
     async def probe(self, timeout_s: float) -> None:
         """A tiny built-in input through decode, scheduler, processor, forward and slicing (the health probe)."""
-        modality, data = self.adapter.sample_encoded()
+        modality, data = self.probe_input or self.adapter.sample_encoded()
         meta = PartMeta(req_id=PROBE_REQ_ID, part_idx=0, num_parts=1, modality=modality)
         part = await self.encode(meta, [base64.b64encode(data).decode("ascii")], self.clock.now() + timeout_s,
                                  probe=True)
@@ -193,6 +197,7 @@ class EncoderService:
         self.delivery = parts.delivery
         self.handover = parts.handover
         self.health = parts.health
+        self.health.on_finish = self.healthy  # each probe's verdict reaches encoder_healthy at once
         self.started_at = time.time()
         # Called once when draining begins (`on_drain`): fronts that announced this server withdraw it.
         self._drain_listeners: list[Callable[[], None]] = []
@@ -218,6 +223,7 @@ class EncoderService:
             loop = asyncio.get_running_loop()
             self.group.on_death(lambda worker: loop.call_soon_threadsafe(self._rank_died, worker))
         self.scheduler.start()
+        self.metrics.healthy.set(1)  # warm-up ran a forward; every verdict from here on sets it (`healthy`)
         self.parts.loop_lag["http"].start()
         self.scheduler.call(self.parts.loop_lag["scheduler"].start).result()  # on its loop (this one, without a thread)
         self.health.verdict()  # the first probe starts now, in the background
@@ -329,6 +335,7 @@ class EncoderService:
             return
         self.admission.broken = (f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) exited; "
                                  f"this server cannot encode until it is restarted")
+        self.healthy()
         self.scheduler.fail_queued(self.admission.broken)
 
     def healthy(self) -> tuple[bool, str]:
@@ -354,6 +361,7 @@ class EncoderService:
         """Stop admitting: new requests and /health get 503; those in flight go on. The drain listeners are
         told at once (a registry then stops dispatching here)."""
         self.admission.begin_drain()
+        self.healthy()
         if not self._drain_told:
             self._drain_told = True
             for listener in self._drain_listeners:
@@ -412,6 +420,24 @@ class EncoderService:
                 "reads_skipped": stats.reads_skipped, "published": stats.published,
                 "publish_drops": stats.publish_drops, "publish_errors": stats.publish_errors,
                 "pending_items": pending_items, "pending_bytes": pending_bytes, "reconnects": stats.reconnects}
+
+    async def load_report(self) -> LoadReport:
+        """`GET /v1/load`: the queue per modality (every modality of the model), the batches in flight and a
+        newcomer's estimated wait, taken on the scheduler's loop; the last minute's signals; pending; draining."""
+        self.metrics.load = queue = await self._queue_load()
+        return LoadReport(self.admission.draining, self.pending, queue, self.metrics.signals())
+
+    async def _queue_load(self):
+        owner = getattr(self.scheduler, "scheduler", self.scheduler)  # the EncoderScheduler, run on its own loop
+        queue = await self.scheduler.run(owner.load, max(1, self.settings.dp_size))
+        idle = {modality: ModalityLoad() for modality in self.adapter.info.modalities}
+        return replace(queue, modalities={**idle, **queue.modalities})
+
+    async def metrics_text(self) -> bytes:
+        """`/metrics`: the health verdict and the queue taken now (`LoadCollector`), then every series."""
+        self.healthy()
+        self.metrics.load = await self._queue_load()
+        return self.metrics.render()
 
     async def performance(self) -> dict[str, object]:
         summary = self.metrics.performance.summary(self.settings.max_batch_size, self.scheduler.queue_depth)

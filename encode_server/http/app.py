@@ -1,6 +1,6 @@
 """The ASGI app: every front's routes mounted on one FastAPI app, the server's own routes (`/health`,
-`/server_info`, `/metrics`, `/v1/performance`), error bodies, the API key, and a lifespan that starts and stops
-the `runtime.Runtime`. Every error is the JSON body of docs/CONTRACT.md section 2 (`records.error_body`).
+`/server_info`, `/metrics`, `/v1/performance`, `/v1/load`), error bodies, the API key, and a lifespan that starts
+and stops the `runtime.Runtime`. Every error is the JSON body of docs/CONTRACT.md section 2 (`records.error_body`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,11 @@ def create_app(settings: Settings, adapter=None, group=None):
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await request.app.state.service.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/load")
+    async def load(request: Request) -> JSONResponse:
+        return JSONResponse((await request.app.state.service.load_report()).as_json())
 
     @app.get("/v1/performance")
     async def performance(request: Request) -> JSONResponse:

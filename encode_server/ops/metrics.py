@@ -3,15 +3,23 @@
 `ServerMetrics` owns one registry per server (so several servers can live in one test process);
 the scheduler, engine and HTTP layer record into it exactly where decisions are made. Labelled
 series for the model's modalities exist from start-up (at 0), so a dashboard shows 0, not "no data".
+
+The autoscaling signals (docs/OPERATIONS.md, "Autoscaling") are read when asked, not kept up to date per
+request: the forward's busy seconds, items and rows are running totals the engine adds to once per batch;
+`SignalWindow` turns them into rates over the last minute when read; the queue's state is taken on the
+scheduler's loop just before a scrape or a load report (`LoadCollector` exports the last one taken).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -102,6 +110,69 @@ class PerformanceWindow:
         }
 
 
+class SignalWindow:
+    """Rates over about the last `window_s` seconds of running totals, sampled only when read (no timer, nothing
+    on the request path).
+
+    Each read keeps a sample of the totals (at most one per `step_s`) and answers the change since the newest
+    sample at least `window_s` old: so the window spans `window_s` plus at most the gap between two reads (a
+    scraper every 15 s, a router every second), or everything since start-up while the server is younger.
+    """
+
+    def __init__(self, size: int, window_s: float = 60.0, step_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.step_s = step_s
+        self._clock = clock
+        self._samples: deque[tuple[float, tuple[float, ...]]] = deque([(clock(), (0.0,) * size)])
+
+    def change(self, totals: tuple[float, ...]) -> tuple[float, tuple[float, ...]]:
+        """(seconds covered, each total's change over them), given the totals now."""
+        now = self._clock()
+        samples = self._samples
+        if now - samples[-1][0] >= self.step_s:
+            samples.append((now, totals))
+        while len(samples) > 1 and samples[1][0] <= now - self.window_s:
+            samples.popleft()
+        since, base = samples[0]
+        return now - since, tuple(total - old for total, old in zip(totals, base))
+
+
+def quantile_of_buckets(q: float, bounds: Sequence[float], cumulative: Sequence[float]) -> float:
+    """The `q` quantile of a histogram's cumulative bucket counts (upper `bounds`, the last +Inf), interpolated
+    within the bucket as Prometheus's `histogram_quantile` does; 0 for an empty histogram."""
+    total = cumulative[-1] if cumulative else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    below, lower = 0.0, 0.0
+    for bound, count in zip(bounds, cumulative):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower  # past the last finite bound: the highest one known
+            return lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        below, lower = count, bound
+    return lower
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the autoscaling gauges and the load report say over the last window (`SignalWindow`)."""
+
+    window_s: float  # the seconds the figures cover
+    busy_fraction: float  # the share of that time a forward ran (per data-parallel replica)
+    items_per_s: float
+    rows_per_s: float
+    queue_wait_p99_s: float
+    cache_hit_rate: float | None  # None: the cache is off, or nothing was looked up in the window
+
+    def as_json(self) -> dict:
+        return {"window_s": round(self.window_s, 3), "busy_fraction": round(self.busy_fraction, 4),
+                "items_per_s": round(self.items_per_s, 3), "rows_per_s": round(self.rows_per_s, 3),
+                "queue_wait_p99_s": round(self.queue_wait_p99_s, 6),
+                "cache_hit_rate": None if self.cache_hit_rate is None else round(self.cache_hit_rate, 4)}
+
+
 class LoopLagMonitor:
     """How late the event loop runs a timer, the usual sign of a blocked loop: a timer every
     `interval_s` (0.1 s: ten callbacks a second cost nothing), each one's lateness set on `gauge` and,
@@ -146,10 +217,11 @@ class LoopLagMonitor:
 class ServerMetrics:
     """Every metric the server exports, in its own registry.
 
-    `modalities` are the model's: their labelled series are created at 0 right away.
+    `modalities` are the model's: their labelled series are created at 0 right away. `clock` times the
+    autoscaling window (`SignalWindow`).
     """
 
-    def __init__(self, modalities: Sequence[str] = ()) -> None:
+    def __init__(self, modalities: Sequence[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
@@ -195,6 +267,17 @@ class ServerMetrics:
             ["loop"], registry=r)
         self.healthy = Gauge("encoder_healthy", "1 when the last health probe passed and the server is not draining",
                              registry=r)
+        # The autoscaling totals, added to once per forward by the engine (on the scheduler's loop) and read at
+        # scrape time (`SignalsCollector`): busy seconds, and per modality [items, rows].
+        self.busy_seconds = 0.0
+        self.forwarded: dict[str, list[int]] = {modality: [0, 0] for modality in modalities}
+        self.queue_waits = [0] * (len(SECONDS_BUCKETS) + 1)  # encoder_queue_wait_seconds' buckets, every label
+        self._cache = None
+        self._window = SignalWindow(5 + len(SECONDS_BUCKETS) + 1, clock=clock)
+        self.load = None  # the last `scheduling.load.QueueLoad` taken (`LoadCollector`)
+        self.lanes = 1  # forwards that run side by side (data-parallel replicas), for the busy fraction
+        r.register(SignalsCollector(self))
+        r.register(LoadCollector(self))
         self.bytes_sent = Counter(
             "encoder_embedding_bytes_sent_total", "Embedding bytes sent to callers and prefill ranks",
             registry=r)
@@ -248,6 +331,41 @@ class ServerMetrics:
         for histogram in (self.queue_wait, self.request_duration):  # the default priority's series
             histogram.labels(modality, "0")
 
+    def record_queue_wait(self, modality: str, priority: int, seconds: float) -> None:
+        """A request waited `seconds` from admission to dispatch (the scheduler, per request)."""
+        self.queue_wait.labels(modality, str(priority)).observe(seconds)
+        self.queue_waits[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
+
+    def record_forward(self, modality: str, items: int, rows: int, seconds: float) -> None:
+        """One forward of `items` items giving `rows` rows took `seconds` (the engine, once per batch)."""
+        self.forward.labels(modality).observe(seconds)
+        self.batch_tokens.labels(modality).observe(rows)
+        self.busy_seconds += seconds
+        totals = self.forwarded.get(modality)
+        if totals is None:
+            totals = self.forwarded[modality] = [0, 0]
+        totals[0] += items
+        totals[1] += rows
+
+    def signals(self) -> Signals:
+        """The busy fraction, items and rows per second, the p99 queue wait and the cache hit rate over the last
+        window (`SignalWindow`)."""
+        items = rows = 0
+        for item_count, row_count in list(self.forwarded.values()):
+            items += item_count
+            rows += row_count
+        stats = self._cache.stats if self._cache is not None and self._cache.enabled else None
+        waits = list(itertools.accumulate(self.queue_waits))
+        totals = (self.busy_seconds, float(items), float(rows), float(stats.hits if stats else 0),
+                  float(stats.misses if stats else 0), *waits)
+        covered, change = self._window.change(totals)
+        per_s = 1.0 / covered if covered > 0 else 0.0
+        lookups = change[3] + change[4]
+        return Signals(window_s=covered, busy_fraction=min(1.0, change[0] * per_s / max(1, self.lanes)),
+                       items_per_s=change[1] * per_s, rows_per_s=change[2] * per_s,
+                       queue_wait_p99_s=quantile_of_buckets(0.99, (*SECONDS_BUCKETS, float("inf")), change[5:]),
+                       cache_hit_rate=change[3] / lookups if stats is not None and lookups > 0 else None)
+
     def watch_parked(self, read: Callable[[], tuple[int, int]]) -> None:
         """Read the parked (bytes, embeddings) at each scrape from whoever keeps them."""
         self.parked_bytes.set_function(lambda: read()[0])
@@ -271,6 +389,7 @@ class ServerMetrics:
     def watch_cache(self, cache) -> None:
         """Export an `cache.embedding_cache.EmbeddingCache`'s counters, read from it at every scrape."""
         self.registry.register(CacheCollector(cache))
+        self._cache = cache
 
     def watch_store(self, connection) -> None:
         """Export the shared tier's (`cache.store_client.StoreConnection`) counters, read at every scrape."""
@@ -282,6 +401,74 @@ class ServerMetrics:
     def watch_ec_storage(self, storage) -> None:
         """Export a `fronts.vllm.example_connector.ECStorage`'s files, bytes and counters, read at every scrape."""
         self.registry.register(ECStorageCollector(storage))
+
+
+class _ReadsMetrics(Collector):
+    """A collector of what `ServerMetrics` holds, registered without a first collect (it would sample the
+    window)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+
+class SignalsCollector(_ReadsMetrics):
+    """The autoscaling totals and their rates over the last window, read at scrape time."""
+
+    def collect(self):
+        metrics = self.metrics
+        yield CounterMetricFamily("encoder_busy_seconds_total", "Seconds a forward ran (summed over data-parallel "
+                                  "replicas): its rate over the replicas is the busy fraction",
+                                  value=metrics.busy_seconds)
+        items = CounterMetricFamily("encoder_items_total", "Items encoded by a forward", labels=["modality"])
+        rows = CounterMetricFamily("encoder_rows_total", "Embedding rows (tokens) the forwards produced",
+                                   labels=["modality"])
+        for modality, (item_count, row_count) in sorted(metrics.forwarded.items()):
+            items.add_metric([modality], item_count)
+            rows.add_metric([modality], row_count)
+        yield items
+        yield rows
+        signals = metrics.signals()
+        for name, doc, value in (
+                ("encoder_busy_fraction", "Share of the last minute a forward ran, per data-parallel replica "
+                 "(0 to 1): the autoscaler's utilisation", signals.busy_fraction),
+                ("encoder_items_per_second", "Items encoded per second over the last minute", signals.items_per_s),
+                ("encoder_rows_per_second", "Embedding rows produced per second over the last minute",
+                 signals.rows_per_s),
+                ("encoder_queue_wait_p99_seconds", "99th percentile of the queue wait over the last minute "
+                 "(from encoder_queue_wait_seconds' buckets)", signals.queue_wait_p99_s),
+                ("encoder_signals_window_seconds", "Seconds the per-minute gauges cover (more than 60 after a "
+                 "pause in scrapes, less while the server is younger)", signals.window_s)):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class LoadCollector(_ReadsMetrics):
+    """The queue as the scheduler last reported it (`ServerMetrics.load`, taken just before each scrape)."""
+
+    def collect(self):
+        load = self.metrics.load
+        if load is None:
+            return
+        queued = GaugeMetricFamily("encoder_queued_requests", "Requests (parts) waiting in the queue, by modality",
+                                   labels=["modality"])
+        oldest = GaugeMetricFamily("encoder_queue_oldest_wait_seconds", "How long the oldest queued request has "
+                                   "waited, by modality (0: none queued)", labels=["modality"])
+        for modality in sorted({*self.metrics.forwarded, *load.modalities}):
+            entry = load.modalities.get(modality)
+            queued.add_metric([modality], entry.queued if entry else 0)
+            oldest.add_metric([modality], entry.oldest_wait_s if entry else 0.0)
+        yield queued
+        yield oldest
+        yield GaugeMetricFamily("encoder_batches_in_flight", "Batches dispatched whose forward has not ended",
+                                value=load.batches_in_flight)
+        yield GaugeMetricFamily("encoder_batches_in_flight_max", "The most batches in flight at once",
+                                value=load.max_in_flight)
+        if load.estimated_wait_s is not None:
+            yield GaugeMetricFamily("encoder_estimated_wait_seconds", "Encoder time ahead of a request arriving "
+                                    "now, from the learned forward cost (absent until known)",
+                                    value=load.estimated_wait_s)
 
 
 class CacheCollector(Collector):

@@ -153,6 +153,19 @@ class CostModel:
         costs = self._modalities.get(modality)
         return None if costs is None else costs.arrivals.rate(now)
 
+    def work_seconds(self, modality: str, tokens: int, batches: int = 1) -> float | None:
+        """The expected forward time of `batches` forwards that together give `tokens` output tokens: from the
+        learned curve once it is, before that in proportion to the mean forward's seconds per token (which
+        overstates a large batch's cost: its fixed part is not amortised). None before any batch of `modality`."""
+        costs = self._modalities.get(modality)
+        if costs is None or costs.fit.stats.count == 0:
+            return None
+        coefficients = costs.fit.coefficients()
+        if coefficients is not None:
+            return batches * coefficients[0] + coefficients[1] * tokens
+        stats = costs.fit.stats
+        return stats.mean_y * tokens / stats.mean_x if stats.mean_x > 0 else batches * stats.mean_y
+
     def summary(self, max_batch_size: int, now: float) -> dict[str, dict]:
         """The learned curve per modality, as `/v1/performance` shows it under `cost_model`."""
         sizes = sorted({size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256) if size < max_batch_size}

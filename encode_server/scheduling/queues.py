@@ -43,6 +43,9 @@ class _Views(Sequence[QueuedView]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __iter__(self) -> Iterator[QueuedView]:  # in one pass, not by index
+        return (entry.view for entry in self._entries)
+
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
             return [entry.view for entry in self._entries[index]]

@@ -49,6 +49,7 @@ from encode_server.ops.metrics import ServerMetrics
 from encode_server.records import EncodedPart, EncodeError, EncodeJob
 from encode_server.scheduling.clock import Clock, MonotonicClock
 from encode_server.scheduling.cost_model import CostModel
+from encode_server.scheduling.load import QueueLoad, Running, queue_load
 from encode_server.scheduling.mailbox import Mailbox
 from encode_server.scheduling.overlap import AdaptiveOverlap
 from encode_server.scheduling.policy import BatchPolicy, Dispatch, QueuedView, decide
@@ -126,7 +127,7 @@ class EncoderScheduler:
         self._by_future: dict[asyncio.Future, PendingRequest] = {}  # submitted and not ended yet
         self._wake = asyncio.Event()
         self._in_flight = 0
-        self._batches: set[asyncio.Task] = set()
+        self._batches: dict[asyncio.Task, Running] = {}  # dispatched, their forward not ended yet
         self._task: asyncio.Task | None = None
         self._mailbox: Mailbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,6 +166,13 @@ class EncoderScheduler:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def load(self, lanes: int = 1) -> QueueLoad:
+        """The queue per modality, the batches in flight and the estimated wait of a newcomer now
+        (`scheduling.load`), what was posted meanwhile queued first; `lanes`: the forwards that run side by side."""
+        self._absorb_inbox()
+        return queue_load(self._queues.views(), self._batches.values(), self.clock.now(), self.costs,
+                          self.policy.max_batch_size, self.max_in_flight, lanes)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -325,8 +333,7 @@ class EncoderScheduler:
                 return False
         for pending in batch:
             self._unqueued(pending, dispatched=True)
-            self.metrics.queue_wait.labels(decision.modality, str(pending.priority)).observe(
-                now - pending.submit_time)
+            self.metrics.record_queue_wait(decision.modality, pending.priority, now - pending.submit_time)
         self.metrics.batch_size.labels(decision.modality).observe(len(batch))
         self._start_batch(decision.modality, batch, now)
         return True
@@ -344,8 +351,8 @@ class EncoderScheduler:
     def _start_batch(self, modality: str, batch: list[PendingRequest], now: float) -> None:
         self._in_flight += 1
         task = asyncio.get_running_loop().create_task(self._run_batch(modality, batch, now))
-        self._batches.add(task)
-        task.add_done_callback(self._batches.discard)
+        self._batches[task] = Running(modality, sum(pending.view.tokens for pending in batch), now)
+        task.add_done_callback(self._batches.pop)
 
     async def _run_batch(self, modality: str, batch: list[PendingRequest], dispatched_at: float) -> None:
         try:

@@ -85,3 +85,60 @@ def test_parked_gauges_read_the_keeper_at_each_scrape_and_memory_is_exported():
     found = samples(metrics)
     assert found[("encoder_parked_bytes", ())] == 3 << 20 and found[("encoder_parked_embeddings", ())] == 2
     assert found[("process_resident_memory_bytes", ())] > 10 << 20
+
+
+# --- the autoscaling signals --------------------------------------------------------------------
+
+def test_busy_fraction_rates_and_p99_queue_wait_over_the_window_as_read_at_scrape_time():
+    clock = Clock()
+    metrics = ServerMetrics(modalities=("image",), clock=clock)
+    clock.now += 10.0
+    for _ in range(3):
+        metrics.record_forward("image", items=4, rows=16, seconds=1.0)
+    for _ in range(99):
+        metrics.record_queue_wait("image", 0, 0.001)
+    metrics.record_queue_wait("image", 0, 100.0)  # past the last bound: counted, in +Inf
+    signals = metrics.signals()
+    assert signals.window_s == 10.0 and signals.busy_fraction == pytest.approx(0.3)
+    assert (signals.items_per_s, signals.rows_per_s) == (pytest.approx(1.2), pytest.approx(4.8))
+    assert signals.queue_wait_p99_s == pytest.approx(0.001)  # 99 of 100 within the 1 ms bucket
+    assert signals.cache_hit_rate is None  # no cache watched
+    exported = samples(metrics)
+    assert exported[("encoder_busy_seconds_total", ())] == 3.0
+    assert exported[("encoder_items_total", (("modality", "image"),))] == 12
+    assert exported[("encoder_rows_total", (("modality", "image"),))] == 48
+    assert exported[("encoder_busy_fraction", ())] == pytest.approx(0.3)
+    assert exported[("encoder_queue_wait_p99_seconds", ())] == pytest.approx(0.001)
+    # Over a minute later with nothing new, the window starts after those forwards: all of it reads 0. It spans
+    # from the newest read at least 60 s old (at 110 s), not a full 60 s: reads are the samples.
+    clock.now += 30.0
+    metrics.signals()
+    clock.now += 45.0
+    quiet = metrics.signals()
+    assert quiet.window_s == pytest.approx(75.0)
+    assert (quiet.busy_fraction, quiet.items_per_s, quiet.queue_wait_p99_s) == (0.0, 0.0, 0.0)
+
+
+def test_the_busy_fraction_is_per_data_parallel_replica():
+    clock = Clock()
+    metrics = ServerMetrics(clock=clock)
+    metrics.lanes = 2
+    clock.now += 4.0
+    metrics.record_forward("image", 1, 4, 3.0)
+    metrics.record_forward("image", 1, 4, 3.0)  # two replicas' forwards, side by side
+    assert metrics.signals().busy_fraction == pytest.approx(0.75)
+
+
+def test_the_queue_gauges_show_the_last_load_taken():
+    from encode_server.scheduling.load import ModalityLoad, QueueLoad
+
+    metrics = ServerMetrics(modalities=("image", "video"))
+    assert ("encoder_queued_requests", (("modality", "image"),)) not in samples(metrics)  # none taken yet
+    metrics.load = QueueLoad({"image": ModalityLoad(3, 12, 0.25)}, batches_in_flight=2, max_in_flight=2,
+                             estimated_wait_s=0.5)
+    exported = samples(metrics)
+    assert exported[("encoder_queued_requests", (("modality", "image"),))] == 3
+    assert exported[("encoder_queued_requests", (("modality", "video"),))] == 0
+    assert exported[("encoder_queue_oldest_wait_seconds", (("modality", "image"),))] == 0.25
+    assert exported[("encoder_batches_in_flight", ())] == 2
+    assert exported[("encoder_estimated_wait_seconds", ())] == 0.5

@@ -72,6 +72,21 @@ def test_health_server_info_and_metric_names(default_server):
         assert f"# TYPE {name}" in text or f"# TYPE {name.removesuffix('_total')} counter" in text, name
 
 
+def test_load_report_and_autoscaling_series_over_http(default_server):
+    """`GET /v1/load` as a router polls it, and the autoscaling series on /metrics (docs/OPERATIONS.md)."""
+    load = httpx.get(default_server.url + "/v1/load")
+    assert load.status_code == 200, load.text
+    report = load.json()
+    assert set(report["modalities"]) == {"image", "video"} and report["draining"] is False
+    assert report["batches_in_flight_max"] >= 1 and report["queued"] == 0
+    assert 0.0 <= report["last_minute"]["busy_fraction"] <= 1.0
+    text = httpx.get(default_server.url + "/metrics").text
+    for name in ("encoder_busy_fraction", "encoder_busy_seconds_total", "encoder_items_per_second",
+                 "encoder_rows_per_second", "encoder_queue_wait_p99_seconds", "encoder_batches_in_flight",
+                 'encoder_queued_requests{modality="image"}', 'encoder_queue_oldest_wait_seconds{modality="video"}'):
+        assert f"\n{name} " in text, name
+
+
 def test_encode_one_request_with_inline_embedding(default_server, reference):
     items = [image_b64(56, 84, seed=1), image_b64(112, 56, seed=2)]
     response = httpx.post(default_server.url + "/encode", json={
