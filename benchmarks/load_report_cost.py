@@ -26,18 +26,18 @@ import time
 async def measure(calls: int, depth: int) -> dict[str, float]:
     import torch
 
+    from encode_server.assembly import build_service
     from encode_server.models.families.qwen2_5_vl import tiny_qwen25_vl
     from encode_server.ops.settings import Settings
     from encode_server.scheduling.cost_model import CostModel
     from encode_server.scheduling.load import queue_load
     from encode_server.scheduling.policy import QueuedView
-    from encode_server.service import EncoderService
 
     adapter = tiny_qwen25_vl(torch.device("cpu"), torch.float32)
     settings = Settings(model="tiny-qwen2.5-vl", device="cpu")
     figures: dict[str, float] = {}
 
-    service = EncoderService(settings, adapter, scheduler_thread=True)
+    service = build_service(settings, adapter, scheduler_thread=True)
     await service.start()
     try:
         for _ in range(50):
