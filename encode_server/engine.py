@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,9 +38,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from encode_server.models import EncoderAdapter, ItemLayout, PreparedBatch
+from encode_server.ops.batch_log import BatchLog
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.thread_names import name_os_thread
-from encode_server.records import EncodedPart, EncodeError, EncodeJob, Timings
+from encode_server.records import BatchInfo, EncodedPart, EncodeError, EncodeJob, Timings
 
 if TYPE_CHECKING:
     from encode_server.preprocessing.pool import PreprocessPool
@@ -86,6 +88,8 @@ class EncoderEngine:
         self._processor_thread = ThreadPoolExecutor(1, thread_name_prefix="encoder-processor",
                                                     initializer=name_os_thread)
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward", initializer=name_os_thread)
+        self._batch_ids = itertools.count(1)  # each batch's id, in its log line and its trace
+        self.batch_log = BatchLog()
 
     @property
     def can_prefetch(self) -> bool:
@@ -134,57 +138,64 @@ class EncoderEngine:
         return results
 
     async def _encode_fused(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
+        dispatched = time.perf_counter()
         if self.replicas is None:
-            return await self._encode_here(modality, jobs)
+            return await self._encode_here(modality, jobs, dispatched)
         with self.replicas.lease() as replica:
             if replica == 0:
-                return await self._encode_here(modality, jobs)
+                return await self._encode_here(modality, jobs, dispatched)
             rows, layouts, elapsed = await self.replicas.run_remote(replica, modality, jobs)
-            return self._parts(modality, jobs, layouts, rows, 0.0, elapsed, f"replica={replica}")
+            ended = time.perf_counter()  # the replica prepares and forwards the batch: one span for both
+            return self._parts(modality, jobs, layouts, rows, 0.0, elapsed, f"replica={replica}",
+                               (dispatched, ended - elapsed, ended - elapsed, ended - elapsed, ended))
 
     @staticmethod
     def _poolable(job: EncodeJob) -> bool:
         return len(job.raw_items) == len(job.layouts)
 
-    async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
+    async def _encode_here(self, modality: str, jobs: Sequence[EncodeJob],
+                           dispatched: float) -> list[EncodedPart | EncodeError]:
         if self.preprocess_pool is not None and all(self._poolable(job) for job in jobs):
-            return await self._encode_pooled(modality, jobs)
+            return await self._encode_pooled(modality, jobs, dispatched)
         for job in jobs:
             self.forget_prefetch(job)
         self.adapter.before_batch(modality, jobs)
         items = [item for job in jobs for item in job.items]
         stages = self._process_then_forward(modality, items)
-        prepared, preprocess_s, rows, forward_s = await asyncio.wrap_future(stages)
+        prepared, preprocess_s, rows, forward_s, preprocessed, forwarded = await asyncio.wrap_future(stages)
         self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
-        return self._parts(modality, jobs, prepared.layouts, rows, preprocess_s, forward_s, "replica=0")
+        return self._parts(modality, jobs, prepared.layouts, rows, preprocess_s, forward_s, "replica=0",
+                           (dispatched, preprocessed - preprocess_s, preprocessed, forwarded - forward_s, forwarded))
 
     def _process_then_forward(self, modality: str, items: list[Any]) -> concurrent.futures.Future:
         """The processor in its thread, which then hands the batch to the forward's thread itself: the loop
         is woken once per batch, when the forward is done (a wake-up of another thread costs tens of
-        microseconds, more on a VM). Resolves to (prepared, processor seconds, rows, forward seconds)."""
+        microseconds, more on a VM). Resolves to (prepared, processor seconds, rows, forward seconds, when the
+        processor ended, when the forward ended), times from `time.perf_counter`."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
-        def forward(prepared: PreparedBatch, preprocess_s: float) -> None:
+        def forward(prepared: PreparedBatch, preprocess_s: float, preprocessed: float) -> None:
             try:
                 rows, forward_s = _timed(self.adapter.forward, prepared)
             except BaseException as exc:
                 _settle(done, exception=exc)
                 return
-            _settle(done, (prepared, preprocess_s, rows, forward_s))
+            _settle(done, (prepared, preprocess_s, rows, forward_s, preprocessed, time.perf_counter()))
 
         def process() -> None:
             try:
                 prepared, preprocess_s = _timed(self.adapter.preprocess, modality, items)
                 # The forward runs even for a batch that does not look right, so that tensor-parallel ranks
                 # reach their layout agreement together; the checks come after it.
-                self._forward_pool.submit(forward, prepared, preprocess_s)
+                self._forward_pool.submit(forward, prepared, preprocess_s, time.perf_counter())
             except BaseException as exc:  # the processor failed, or the engine is closing
                 _settle(done, exception=exc)
 
         self._processor_thread.submit(process)
         return done
 
-    async def _encode_pooled(self, modality: str, jobs: Sequence[EncodeJob]) -> list[EncodedPart | EncodeError]:
+    async def _encode_pooled(self, modality: str, jobs: Sequence[EncodeJob],
+                             dispatched: float) -> list[EncodedPart | EncodeError]:
         """Items prepared in the pool's processes; a job with an item that failed there fails alone."""
         from encode_server.preprocessing.pool import ItemFailure
 
@@ -212,8 +223,10 @@ class EncoderEngine:
             # even if this coroutine is cancelled meanwhile.
             (layouts, rows), forward_s = await loop.run_in_executor(
                 self._forward_pool, _timed, self._collate_and_forward, batches)
+            forwarded = time.perf_counter()
             parts = self._parts(modality, [jobs[index] for index in kept], layouts, rows, preprocess_s, forward_s,
-                                "replica=0 preprocess=pool")
+                                "replica=0 preprocess=pool",
+                                (dispatched, started, started + preprocess_s, forwarded - forward_s, forwarded))
             for index, part in zip(kept, parts):
                 results[index] = part
         return results  # type: ignore[return-value]
@@ -250,20 +263,29 @@ class EncoderEngine:
             self.preprocess_pool.release(batches)
 
     def _parts(self, modality: str, jobs: Sequence[EncodeJob], layouts: Sequence[ItemLayout], rows: torch.Tensor,
-               preprocess_s: float, forward_s: float, where: str) -> list[EncodedPart]:
-        """Check the batch against what was admitted, then slice it once, per job, by the adapter."""
+               preprocess_s: float, forward_s: float, where: str,
+               times: tuple[float, float, float, float, float]) -> list[EncodedPart]:
+        """Check the batch against what was admitted, then slice it once, per job, by the adapter. `times`
+        (`time.perf_counter`): when the batch was dispatched, its preparation started and ended, its forward
+        started and ended; they go into the parts of a batch that holds a traced request."""
         expected = [layout for job in jobs for layout in job.layouts]
         if list(layouts) != expected:
             raise RuntimeError(f"processor grids {list(layouts)} differ from the admitted layouts {expected}")
         embeddings = self.adapter.split_rows(expected, rows, [len(job.layouts) for job in jobs])
         self.metrics.record_forward(modality, len(expected), rows.shape[0], forward_s)
-        log.info("batch modality=%s size=%d items=%d tokens=%d preprocess_ms=%.1f forward_ms=%.1f %s",
-                 modality, len(jobs), len(expected), rows.shape[0], preprocess_s * 1e3, forward_s * 1e3, where,
-                 extra={"modality": modality, "batch_size": len(jobs), "items": len(expected),
-                        "tokens": int(rows.shape[0]), "preprocess_ms": round(preprocess_s * 1e3, 1),
-                        "forward_ms": round(forward_s * 1e3, 1)})
+        batch_id = next(self._batch_ids)
+        probe = len(jobs) == 1 and jobs[0].probe
+        self.batch_log.batch(modality, batch_id, len(jobs), len(expected), int(rows.shape[0]), preprocess_s,
+                             forward_s, where, probe)
+        batch = None
+        traced = [job.trace for job in jobs if job.trace is not None]
+        if traced:  # only a batch that holds a traced request (tracing on, and the request sampled)
+            batch = BatchInfo(batch_id, modality, len(jobs), len(expected), int(rows.shape[0]), where, times[0],
+                              (times[1], times[2]), (times[3], times[4]))
+            batch = traced[0].tracing.batch_span(batch, traced, [job.req_id for job in jobs])
         return [
             EncodedPart(embedding=embedding, layouts=job.layouts, batch_size=len(jobs),
-                        timings=Timings(preprocess=(job.decode_s + preprocess_s) * 1e3, encode=forward_s * 1e3))
+                        timings=Timings(preprocess=(job.decode_s + preprocess_s) * 1e3, encode=forward_s * 1e3),
+                        batch=batch)
             for job, embedding in zip(jobs, embeddings)
         ]

@@ -8,6 +8,7 @@ new record with `dataclasses.replace`):
 - `Timings`: where a request's time went, in milliseconds;
 - `EncodedPart`: what the engine hands back for one job (its rows and layouts, the batch size, the
   preprocess and encode timings); the scheduler returns a copy with the queue time filled in;
+- `BatchInfo`: the forward a traced job joined (its id, size, stage times), for the request's spans;
 - `EncodeError`: any failure, carrying the HTTP status it maps to;
 - `LayoutsKnown`: the one callback that travels with a part, told its items' layouts before the forward
   (a hand-over whose receivers size their buffers ahead: `delivery.handover`).
@@ -67,6 +68,7 @@ class EncodeJob:
     raw_items: tuple[Any, ...] = ()  # each item's file bytes (or frames' bytes), for tensor-parallel ranks
     decode_s: float = 0.0  # time spent fetching and decoding the items
     probe: bool = False  # a health probe: runs alone as soon as there is room, never waits for company
+    trace: Any = None  # the request's `ops.tracing.RequestTrace` when it is traced, else None
 
     @property
     def req_id(self) -> str:
@@ -102,6 +104,24 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class BatchInfo:
+    """The forward a traced job joined: built by the engine only for a batch that holds a traced job. Times are
+    `time.perf_counter()` seconds; `span` is the batch span's context (`ops.tracing`), which the request's
+    forward span links to."""
+
+    batch_id: int
+    modality: str
+    size: int  # jobs (requests) in the batch
+    items: int
+    tokens: int  # the batch's rows
+    where: str  # which replica, and whether the preprocessing pool prepared it
+    dispatched: float  # when the scheduler handed the batch to the engine: the end of its jobs' queue wait
+    preprocess: tuple[float, float]  # (start, end) of the processor (or the pool's preparation)
+    forward: tuple[float, float]  # (start, end) of the forward
+    span: Any = None
+
+
+@dataclass(frozen=True)
 class EncodedPart:
     """A finished job: its embedding rows `[tokens, row width]` on the CPU, layouts, batch size, timings."""
 
@@ -113,11 +133,13 @@ class EncodedPart:
     # per item: which tier served it ("local": this server's cache, "store": the shared Mooncake Store tier),
     # None where it was encoded; empty when the cache was not asked
     cache_tiers: tuple[str | None, ...] = ()
+    batch: BatchInfo | None = None  # the forward it came from, for a traced request (None otherwise)
 
     def with_timings(self, timings: Timings) -> EncodedPart:
         """This part with `timings`: `dataclasses.replace` without its per-call look at the fields (it runs for
         every request)."""
-        return EncodedPart(self.embedding, self.layouts, self.batch_size, timings, self.cached, self.cache_tiers)
+        return EncodedPart(self.embedding, self.layouts, self.batch_size, timings, self.cached, self.cache_tiers,
+                           self.batch)
 
     def items_json(self) -> list[dict[str, Any]]:
         """The response's and the wire header's `items`: each layout, `cached` when the cache was asked, and

@@ -29,6 +29,7 @@ from encode_server.fronts.vllm.front import VllmFront
 from encode_server.media.decoding import MediaLimits
 from encode_server.models import DTYPE_NAMES, EncoderAdapter
 from encode_server.ops.libraries import MissingLibrary, require
+from encode_server.ops.tracing import libraries_needed as tracing_libraries
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
 from encode_server.parallel.ranks import WorkerGroup
@@ -43,9 +44,10 @@ class StartError(Exception):
 
 def check_libraries(settings: Settings) -> None:
     """Every optional library these settings ask for is installed: each component that needs one says which
-    (the shared cache tier, the SGLang front's mooncake backend), and a missing one is a `StartError` in one line
-    naming what asked for it and the install, before the model loads. (The settings check values only.)"""
-    for library, wanted_by in (*store_libraries(settings), *SglangFront.libraries_needed(settings)):
+    (the shared cache tier, the SGLang front's mooncake backend, traces), and a missing one is a `StartError` in
+    one line naming what asked for it and the install, before the model loads. (The settings check values only.)"""
+    for library, wanted_by in (*store_libraries(settings), *SglangFront.libraries_needed(settings),
+                               *tracing_libraries(settings)):
         try:
             require(library, wanted_by)
         except MissingLibrary as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ from encode_server.models.dtypes import DTYPE_NAMES
 from encode_server.ops.health import HealthProbe
 from encode_server.ops.metrics import LoopLagMonitor, ServerMetrics
 from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import CURRENT as CURRENT_TRACE
 from encode_server.parallel.ranks import WorkerGroup, WorkerRank
 from encode_server.records import EncodedPart, EncodeError, EncodeJob, LayoutsKnown, PartMeta
 from encode_server.responses import encode_response
@@ -53,6 +55,8 @@ from encode_server.scheduling.scheduler_thread import SchedulerThread
 
 if TYPE_CHECKING:  # the pool's module starts nothing when imported, but only a server with workers needs it
     from encode_server.preprocessing.pool import PreprocessPool
+
+log = logging.getLogger("encode_server.service")
 
 T = TypeVar("T")
 
@@ -97,7 +101,7 @@ class JobQueue:
             layouts_known([item.layout for item in loaded])
         return EncodeJob(meta=meta, items=tuple(item.decoded for item in loaded),
                          layouts=tuple(item.layout for item in loaded), raw_items=tuple(item.raw for item in loaded),
-                         decode_s=decode_s, probe=probe)
+                         decode_s=decode_s, probe=probe, trace=None if probe else CURRENT_TRACE.get())
 
 
 class PartEncoder:
@@ -121,16 +125,27 @@ class PartEncoder:
         layouts before the forward when one job holds all of them. A bad item is a 400."""
         decode_started = time.perf_counter()
         CURRENT_PRIORITY.set(priority)  # this request's task only: its decodes queue by priority
+        trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
         try:
             sources = [parse_item(raw, index, meta.modality) for index, raw in enumerate(raw_items)]
             if self.cached is not None and not probe:
-                return await self.cached.encode(meta, sources, decode_started, Demand(deadline, priority),
+                part = await self.cached.encode(meta, sources, decode_started, Demand(deadline, priority),
                                                 layouts_known)
+                if trace is not None:
+                    trace.encoded(part, decode_started, meta.req_id)
+                return part
             loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
-        return await self.jobs.submit(meta, loaded, time.perf_counter() - decode_started, deadline, priority, probe,
+        decoded = time.perf_counter()
+        if trace is not None:
+            trace.stage("decode", decode_started, decoded, {"encoder.req_id": meta.req_id,
+                                                            "encoder.items": len(loaded)})
+        part = await self.jobs.submit(meta, loaded, decoded - decode_started, deadline, priority, probe,
                                       layouts_known)
+        if trace is not None:
+            trace.encoded(part, decoded, meta.req_id)
+        return part
 
     async def probe(self, timeout_s: float) -> None:
         """A tiny built-in input through decode, scheduler, processor, forward and slicing (the health probe)."""
@@ -216,8 +231,11 @@ class EncoderService:
         if self.store is not None:  # refuses the start against a Store of a protocol it cannot read
             await asyncio.to_thread(self.store.start)
         await asyncio.to_thread(self.media.warmup, self.adapter.info.modalities)
-        if self.preprocess_pool is not None:
+        if self.preprocess_pool is not None:  # seconds: each worker is a process that imports the processor
+            log.info("starting %d preprocessing worker processes", self.preprocess_pool.size)
+            began = time.monotonic()
             await asyncio.to_thread(self.preprocess_pool.start)
+            log.info("preprocessing workers ready in %.1f s", time.monotonic() - began)
         self.delivery.start()
         if self.group is not None:
             loop = asyncio.get_running_loop()
@@ -276,6 +294,9 @@ class EncoderService:
         records how it ended; a timeout is a 504, a 500 while a rank is down a 503; `on_failure` is told of
         every failure but a cancellation (the client went away)."""
         with self.admission.admit(request, front) as ticket:
+            trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
+            if trace is not None:
+                trace.admitted(request.req_id, request.modality, len(request.mm_items), request.priority)
             try:
                 part, answer = await asyncio.wait_for(work(ticket.deadline), ticket.timeout_s)
             except asyncio.TimeoutError:
@@ -303,7 +324,11 @@ class EncoderService:
         """Encode an admitted request, hand it over, and build its response."""
         part = await self.encoder.encode(to.meta, request.mm_items, deadline, request.priority,
                                          self.handover.layouts_known(to))
+        trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
+        handing = time.perf_counter() if trace is not None else 0.0
         handed = await self.handover.hand_over(to, part)
+        if trace is not None:
+            trace.delivered(handing, len(to.endpoints), handed.transfer_s * 1e3)
         if handed.transfer_s:  # 0.0: nothing was sent (staged, parked for later receivers, or returned inline)
             part = part.with_timings(part.timings.with_transfer(handed.transfer_s * 1e3))
         response = await encode_response(to.meta, part, request.return_embedding, self.metrics,

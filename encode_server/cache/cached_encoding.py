@@ -26,6 +26,7 @@ from encode_server.models import EncoderAdapter
 from encode_server.ops.memory import default_cache_bytes
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import CURRENT as CURRENT_TRACE
 from encode_server.records import EncodedPart, EncodeError, LayoutsKnown, PartMeta, Timings
 from encode_server.scheduling.demand import Demand, SharedDemand
 
@@ -107,7 +108,8 @@ class CachedEncoding:
         return EncodedPart(embedding=embedding,
                            layouts=tuple(result.item.layout for result in resolved),
                            batch_size=part.batch_size if part else 0, timings=timings,
-                           cached=tuple(tier is not None for tier in tiers), cache_tiers=tiers)
+                           cached=tuple(tier is not None for tier in tiers), cache_tiers=tiers,
+                           batch=part.batch if part else None)
 
     async def _encode_missing(self, meta: PartMeta, items: list[RawItem], waiting: SharedDemand,
                               layouts_known: LayoutsKnown | None) -> EncodedPart:
@@ -123,7 +125,11 @@ class CachedEncoding:
                 raise
 
         results = await each_in_order([decode(item) for item in items])
-        return await self.submit(meta, results, time.perf_counter() - started, waiting, layouts_known)
+        decoded = time.perf_counter()
+        trace = CURRENT_TRACE.get()  # the traced request that started this computation, if any (ops.tracing)
+        if trace is not None:
+            trace.stage("decode", started, decoded, {"encoder.req_id": meta.req_id, "encoder.items": len(items)})
+        return await self.submit(meta, results, decoded - started, waiting, layouts_known)
 
 
 def _store_timeout(store: StoreTier, waiting: SharedDemand, now: float) -> float:

@@ -1,10 +1,12 @@
 """The ASGI app: every front's routes mounted on one FastAPI app, the server's own routes (`/health`,
-`/server_info`, `/metrics`, `/v1/performance`, `/v1/load`), error bodies, the API key, and a lifespan that starts
-and stops the `runtime.Runtime`. Every error is the JSON body of docs/CONTRACT.md section 2 (`records.error_body`).
+`/server_info`, `/metrics`, `/v1/performance`, `/v1/load`), error bodies, the API key, traces
+(`--otlp-traces-endpoint`), and a lifespan that starts and stops the `runtime.Runtime`. Every error is the JSON
+body of docs/CONTRACT.md section 2 (`records.error_body`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
 
@@ -18,6 +20,7 @@ import encode_server
 from encode_server.http.error_log import ErrorAnswerLog
 from encode_server.ops.setting_values import exempt_networks, in_networks
 from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import tracing_for
 from encode_server.records import error_body
 from encode_server.runtime import Runtime
 from encode_server.service import EncoderService
@@ -62,6 +65,7 @@ def create_app(settings: Settings, adapter=None, group=None):
     """The ASGI app for `settings`; the encoder is loaded at start-up unless an `adapter` is given
     (`runtime.load_encoder` gives one, and the `group` of its other ranks)."""
     runtime = Runtime(settings, adapter, group)
+    tracing = tracing_for(settings)  # None unless --otlp-traces-endpoint: then nothing of OpenTelemetry is loaded
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,6 +74,8 @@ def create_app(settings: Settings, adapter=None, group=None):
             yield
         finally:
             await runtime.stop()
+            if tracing is not None:  # export what is queued, off the loop
+                await asyncio.to_thread(tracing.shutdown)
 
     # /docs and /redoc from assets installed with the package (fastapi-offline), never from a CDN: offline
     # (an air-gapped node, a cluster without egress) FastAPI's default pages load nothing and stay blank.
@@ -118,4 +124,8 @@ def create_app(settings: Settings, adapter=None, group=None):
     if settings.api_key:
         served = ApiKeyMiddleware(served, settings.api_key, settings.metrics_require_key,
                                   exempt_networks(settings.api_key_exempt_cidrs))
+    if tracing is not None:
+        from encode_server.http.tracing import TraceRequests
+
+        served = TraceRequests(served, tracing)
     return ErrorAnswerLog(served)

@@ -23,6 +23,12 @@ from encode_server.ops.logs import READY_LINE, announce
 
 log = logging.getLogger("encode_server")
 
+
+def answered_ok(service) -> int:
+    """Requests answered 200 so far (`encoder_requests_total`, every modality)."""
+    return int(sum(sample.value for metric in service.metrics.requests_total.collect() for sample in metric.samples
+                   if sample.name.endswith("_total") and sample.labels.get("status") == "200"))
+
 class DrainingServer(uvicorn.Server):
     """uvicorn serving `app` (whose `state.service` is set once it runs); see the module docstring."""
 
@@ -34,6 +40,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
         self.forced: int | None = None
+        self._cut: tuple[int, int] | None = None  # at a second signal: requests in flight, 200s answered so far
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
@@ -53,7 +60,10 @@ class DrainingServer(uvicorn.Server):
                 log.warning("signal %s before the server was ready: exiting without serving", sig)
                 self.should_exit = self.force_exit = True
                 return
-            log.warning("signal %s again: exiting now (%d requests in flight answer 503)", sig, service.pending)
+            # What happens to them is told once it has happened (`shutdown`): the batch running may still finish.
+            log.warning("signal %s again: exiting now: %d requests in flight; those queued answer 503, the batch "
+                        "running has up to %g s to finish", sig, service.pending, self.FORCED_GRACE_S)
+            self._cut = (service.pending, answered_ok(service))
             loop = asyncio.get_event_loop()
             loop.call_soon_threadsafe(lambda: loop.create_task(self._exit_now(service)))
             return
@@ -78,11 +88,19 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)  # forced: no wait for connections, no lifespan
-        if self.forced is None:
-            return
-        # The service's own stop (scheduler, ranks, workers, shared memory), bounded; then the
-        # handlers still running write their 503s before the loop ends.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.lifespan.shutdown(), 3.0)
-        if self.server_state.tasks:
-            await asyncio.wait(set(self.server_state.tasks), timeout=self.FORCED_GRACE_S)
+        if self.forced is not None:
+            # The service's own stop (scheduler, ranks, workers, shared memory), bounded; then the
+            # handlers still running write their 503s before the loop ends.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.lifespan.shutdown(), 3.0)
+            if self.server_state.tasks:
+                await asyncio.wait(set(self.server_state.tasks), timeout=self.FORCED_GRACE_S)
+            service = getattr(self.app.state, "service", None)
+            if self._cut is not None and service is not None:
+                in_flight, ok_before = self._cut
+                finished = min(in_flight, answered_ok(service) - ok_before)
+                log.warning("exited on a second signal: of the %d requests in flight then, %d finished (200) and %d "
+                            "were cut short (503, or their client had gone)", in_flight, finished, in_flight - finished)
+        flush = getattr(self.app, "flush", None)  # the error answers' log: how many lines it left out, if any
+        if flush is not None:
+            flush()

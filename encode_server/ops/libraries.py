@@ -1,8 +1,8 @@
 """The optional libraries: whether each is installed, and the extra that installs it.
 
-Neither Mooncake's TransferEngine nor NIXL (`transport`) nor gRPC (`--grpc-port`) is a dependency of the
-server: a server that is not asked for what needs one starts without it, and one that is asked says which
-extra to install.
+Neither Mooncake's TransferEngine nor NIXL (`transport`) nor gRPC (`--grpc-port`) nor OpenTelemetry's SDK
+(`ops.tracing`, `--otlp-traces-endpoint`) is a dependency of the server: a server that is not asked for what
+needs one starts without it, and one that is asked says which extra to install.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ LIBRARIES: dict[str, tuple[str, str, str]] = {
                                   "no RDMA NIC)"),
     "grpc": ("grpc grpc_health.v1.health_pb2 grpc_reflection.v1alpha.reflection smg_grpc_proto.generated", "grpc",
              "'encode-server[grpc]' (grpcio, grpcio-health-checking, grpcio-reflection and smg-grpc-proto)"),
+    "opentelemetry": ("opentelemetry.exporter.otlp.proto.http", "otel",
+                      "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"),
 }
 
 

@@ -34,6 +34,10 @@ QUIET_LOGGERS = ("huggingface_hub", "httpx", "httpx2", "httpcore", "httpcore2", 
 #: And whatever logger a later HTTP client version names like them: below WARNING, dropped at the handler.
 _QUIET_PREFIXES = ("httpx", "httpcore", "urllib3", "huggingface_hub", "hf_xet")
 
+#: Libraries whose debug lines say nothing an operator of this server needs (PIL: a line per PNG chunk it reads,
+#: `STREAM b'IHDR'`): INFO at every level.
+CHATTY_LOGGERS = ("PIL",)
+
 #: Libraries that put a stderr handler of their own on their root logger.
 _LIBRARY_LOGGERS = ("transformers", "huggingface_hub")
 
@@ -182,6 +186,8 @@ def configure_logging(level: str, fmt: str | None = None, stream: TextIO | None 
     root.setLevel(level.upper())
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
     logging.captureWarnings(True)  # Python warnings become log lines of the same format
     return handler
 

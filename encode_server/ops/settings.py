@@ -32,6 +32,7 @@ from encode_server.ops.setting_values import (
     parse_store_url,
     registry_urls,
 )
+from encode_server.ops.tracing import parse_traces_endpoint
 from encode_server.ops.transfer_config import ECTransferConfig, parse_ec_transfer_config
 
 
@@ -293,7 +294,7 @@ GROUPS: tuple[Group, ...] = (
                "where image preprocessing runs: cpu (PIL) or cuda (transformers' fast image processors on the "
                "model's GPU; needs a CUDA device and torchvision)", choices=("cpu", "cuda")),
     )),
-    Group("Operations", "ops/", "health, logs and memory", (
+    Group("Operations", "ops/", "health, logs, traces and memory", (
         Option("--health-probe-interval-s", float, 5.0,
                "/health pushes a tiny input through the encoder at most this often (the verdict is cached)",
                check=not_negative),
@@ -305,6 +306,15 @@ GROUPS: tuple[Group, ...] = (
                "text (one line per record, the level coloured only on a terminal and never with NO_COLOR set) or json "
                "(one JSON object per line: time, level, logger, message and the record's extra fields)",
                choices=LOG_FORMATS),
+        Option("--otlp-traces-endpoint", parse_traces_endpoint, None,
+               "send OpenTelemetry traces to this OTLP/HTTP collector (http://HOST:4318; /v1/traces is added when no "
+               "path is given), as vLLM's and SGLang's flag of the same name: a caller's W3C traceparent on /encode "
+               "and /v1/chat/completions is continued, with a span per stage (docs/OPERATIONS.md, Traces); needs the "
+               "otel extra; unset: off, and nothing of OpenTelemetry is loaded"),
+        Option("--otlp-traces-sample-ratio", float, 1.0,
+               "with --otlp-traces-endpoint: the share of the requests without a traceparent that are traced (0 to "
+               "1); a caller's traceparent decides for its own requests",
+               check=between(0, 1)),
         Option("--malloc-arena-max", int, 2,
                "glibc malloc arenas at most (0: glibc's default, 8 per core); fewer arenas keep less freed memory",
                check=not_negative),

@@ -10,7 +10,9 @@ import logging
 
 import pytest
 
+from encode_server.ops.batch_log import BatchLog
 from encode_server.ops.logs import (
+    CHATTY_LOGGERS,
     QUIET_LOGGERS,
     REDACTED,
     JsonFormatter,
@@ -33,7 +35,7 @@ def root_logging():
     """Restore the root logger and the quieted loggers after a test reconfigures them."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    levels = {name: logging.getLogger(name).level for name in (*QUIET_LOGGERS, "transformers")}
+    levels = {name: logging.getLogger(name).level for name in (*QUIET_LOGGERS, *CHATTY_LOGGERS, "transformers")}
     yield
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -121,6 +123,40 @@ def test_the_hub_clients_http_lines_stay_out_even_at_debug(root_logging):
     written = stream.getvalue()
     assert "HTTP Request" not in written and "Downloading" not in written and "Starting new" not in written
     assert "ours, kept" in written and "a warning still shows" in written
+
+
+def test_pils_chunk_lines_stay_out_at_debug(root_logging):
+    """Decoding a PNG at `--log-level debug` wrote a line per chunk (`STREAM b'IHDR' 16 13`)."""
+    from PIL import Image
+
+    stream = io.StringIO()
+    configure_logging("debug", "text", stream=stream)
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, "PNG")
+    Image.open(io.BytesIO(buffer.getvalue())).load()
+    logging.getLogger("encode_server.startup").debug("ours, kept")
+    written = stream.getvalue()
+    assert "STREAM" not in written and "PIL" not in written and "ours, kept" in written, written
+
+
+def test_batches_are_debug_lines_and_an_info_summary_at_most_once_an_interval(root_logging, caplog):
+    """One info line per batch was most of a busy log: now each batch is a debug line (a health probe's marked as
+    such), and info gets the first batch of traffic, then a summary at most once an interval (probes left out)."""
+    clock = [0.0]
+    batches = BatchLog(interval_s=60.0, clock=lambda: clock[0])
+    caplog.set_level(logging.DEBUG, logger="encode_server.engine")
+    batches.batch("image", 1, 1, 1, 4, 0.001, 0.002, "replica=0", probe=True)
+    for second in range(100):  # 100 batches in 100 s: the first, then one summary after 60 s
+        clock[0] = 1.0 + second
+        batches.batch("image", 2 + second, 3, 4, 16, 0.001, 0.010 + second / 1000, "replica=0")
+    info = [record.getMessage() for record in caplog.records if record.levelno == logging.INFO]
+    debug = [record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG]
+    assert len(debug) == 101 and debug[0].endswith("batch=1 health-probe")
+    assert debug[1].startswith("batch modality=image size=3 items=4 tokens=16 preprocess_ms=1.0 forward_ms=10.0")
+    assert info == ["encoded 1 batches (image 1) in the last 0 s: 3 requests, 4 items, 16 tokens, forward 10.0 ms "
+                    "mean, 10.0 ms max",
+                    "encoded 60 batches (image 60) in the last 60 s: 180 requests, 240 items, 960 tokens, forward "
+                    "40.5 ms mean, 70.0 ms max"], info
 
 
 def test_transformers_lines_take_our_format(root_logging):

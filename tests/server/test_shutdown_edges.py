@@ -6,6 +6,7 @@ tests/parallel/test_parallel.py.)"""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import time
@@ -57,6 +58,16 @@ def test_a_second_sigint_while_draining_exits_at_once_with_503s_and_no_traceback
     messages = [answer.json()["message"] for answer in cut_short]
     assert all("shutting down" in message or "draining" in message for message in messages), messages
     assert any("shutting down" in message for message in messages), messages
+    # What the log says of them is what happened: the requests in flight at the second signal that finished are
+    # among the 200s (others finished during the drain before it), those cut short among the 503s (others were
+    # refused by the drain); and every 503 is one error line, or counted in a line that says how many were left out.
+    told = re.search(r"of the (\d+) requests in flight then, (\d+) finished \(200\) and (\d+) were cut short", log)
+    assert told, log
+    in_flight, finished, cut = (int(n) for n in told.groups())
+    assert in_flight == finished + cut and finished <= statuses.count(200) and cut <= len(cut_short), told.group(0)
+    logged = len(re.findall(r"answered 503 to POST /encode", log))
+    left_out = sum(int(n) for n in re.findall(r"\((\d+) more error answers were not logged", log))
+    assert logged + left_out == len(cut_short), (logged, left_out, len(cut_short))
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
