@@ -46,6 +46,8 @@ class TraceRequests:
             raise
         else:
             status, body = answer[0] if answer else (500, b"")
+            if path == "/v1/chat/completions" and status == 200:  # the front stored or pushed the rows itself
+                trace.transferred({"encoder.front": "vllm"})
             trace.end(status, describe_error_body(body)[1] if status >= 400 else None)
         finally:
             CURRENT.reset(token)

@@ -12,7 +12,8 @@ How a request maps to spans. The request's SERVER span is a child of the caller'
 validation included, to its admission), `decode` (fetching and decoding its items; the cache's misses only,
 with the cache on), `cache` (hashing, the local and the Store tiers, and waiting for the misses; attributes say
 which tier served each item), `queue` (from its job's submission to the batch's dispatch), `preprocess` and
-`forward` (its batch's), `delivery` (ZMQ to its destinations). A forward serves many requests at once; it is
+`forward` (its batch's), `delivery` (ZMQ to its destinations) or `transfer` (the vLLM front's storage write or
+push, from the last rows to the answer). A forward serves many requests at once; it is
 modelled both ways: each request gets its own `queue`/`preprocess`/`forward` spans, timed from the `BatchInfo`
 the engine records (`batch.id`, size, items, tokens as attributes), and the engine emits one `batch` span per
 forward that served a traced request, a root of its own, linked to every traced request's span, which each
@@ -167,13 +168,14 @@ class Tracing:
 class RequestTrace:
     """One sampled request's SERVER span, and its stages as children (see the module docstring)."""
 
-    __slots__ = ("tracing", "span", "context", "started")
+    __slots__ = ("tracing", "span", "context", "started", "rows_at")
 
     def __init__(self, tracing: Tracing, span: Any, started: float) -> None:
         self.tracing = tracing
         self.span = span
         self.context = tracing._in_context(span)
         self.started = started
+        self.rows_at: float | None = None  # when its last rows came back (`encoded`)
 
     def stage(self, name: str, start: float, end: float, attributes: dict[str, Any] | None = None,
               links: Sequence[Any] = ()) -> None:
@@ -193,7 +195,7 @@ class RequestTrace:
         """Its rows are here (`records.EncodedPart`): the `cache` span (from `since`, with the cache on), and
         `queue`, `preprocess` and `forward` from the batch it joined (none when every item came from a cache,
         or from another request's computation)."""
-        now = time.perf_counter()
+        now = self.rows_at = time.perf_counter()
         rows = int(part.embedding.shape[0])
         self.span.set_attribute("encoder.rows", rows)
         if part.cache_tiers:
@@ -216,6 +218,12 @@ class RequestTrace:
         """The `delivery` span: the rows sent to (or parked for) the request's destinations."""
         self.stage("delivery", start, time.perf_counter(), {"encoder.destinations": destinations,
                                                             "encoder.transfer_ms": transfer_ms})
+
+    def transferred(self, attributes: dict[str, Any] | None = None) -> None:
+        """The `transfer` span of a front that hands the rows over itself (the vLLM front: its storage write or
+        its connector's push): from its last rows to now."""
+        if self.rows_at is not None:
+            self.stage("transfer", self.rows_at, time.perf_counter(), attributes)
 
     def end(self, status: int, message: str | None = None) -> None:
         """End the request's span with its HTTP status (an error status from 500 up, as OpenTelemetry's HTTP

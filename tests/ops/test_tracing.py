@@ -173,10 +173,13 @@ def test_the_vllm_route_and_an_error_answer_are_traced_and_an_unsampled_caller_i
                           headers={"traceparent": traceparent(trace_id, caller), "x-request-id": "vllm-traced"})
     assert response.status_code == 200, response.text
     spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", "admission", "decode", "cache", "queue",
-                                         "preprocess", "forward"})
+                                         "preprocess", "forward", "transfer"})
     request = spans["POST /v1/chat/completions"]
     assert request.parent_span_id.hex() == caller
-    assert all(spans[name].parent_span_id == request.span_id for name in STAGES if name != "delivery")
+    stages = [name for name in STAGES if name != "delivery"] + ["transfer"]
+    assert all(spans[name].parent_span_id == request.span_id for name in stages)
+    assert spans["forward"].end_time_unix_nano <= spans["transfer"].start_time_unix_nano
+    assert spans["transfer"].end_time_unix_nano <= request.end_time_unix_nano
     assert attributes(spans["admission"])["encoder.req_id"].startswith("vllm-traced#")
 
     unsampled = "8bf92f3577b34da6a3ce929d0e0e4736"
