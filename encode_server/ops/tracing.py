@@ -5,7 +5,7 @@ Off by default, and then nothing here imports `opentelemetry` or allocates anyth
 variable) stays None and each stage's hook is one `CURRENT.get()` and a None test. On, `Tracing` is built once
 at start-up (`tracing_for(settings)`); the HTTP layer (`http.tracing.TraceRequests`) starts a `RequestTrace` for
 each sampled `POST /encode` and `POST /v1/chat/completions` from its `traceparent` header, and a gRPC front
-does the same from its call's metadata (`Tracing.start_request(name, context_from_metadata(metadata))`).
+does the same from its call's metadata (`call_traced(tracing, "SglangEncoder/Encode", metadata, work)`).
 
 How a request maps to spans. The request's SERVER span is a child of the caller's span (a root when no
 `traceparent` came). Its stages are its children: `admission` (from the request's arrival, body read and
@@ -32,11 +32,13 @@ from __future__ import annotations
 import contextvars
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import encode_server
+
+T = TypeVar("T")
 
 #: The trace of the request this task serves (set by the HTTP or gRPC front when tracing is on and the
 #: request is sampled); None otherwise, always when tracing is off.
@@ -94,6 +96,30 @@ def context_from_metadata(metadata: Mapping[str, Any] | Iterable[tuple[Any, Any]
 
     pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
     return TraceContextTextMapPropagator().extract(_carrier(pairs))
+
+
+async def call_traced(tracing: Tracing | None, name: str, metadata: Mapping[str, Any] | Iterable[tuple[Any, Any]],
+                      work: Callable[[], Awaitable[T]]) -> T:
+    """`await work()` as one traced request of a front outside HTTP (a gRPC call: `name` its method, `metadata`
+    its invocation metadata, whose `traceparent` it continues); just `await work()` when `tracing` is None or
+    the call is not sampled. The span ends with status 200, or the HTTP status an `EncodeError` carries."""
+    if tracing is None:
+        return await work()
+    trace = tracing.start_request(name, context_from_metadata(metadata), {"rpc.system": "grpc", "rpc.method": name})
+    if trace is None:
+        return await work()
+    token = CURRENT.set(trace)
+    try:
+        answer = await work()
+    except BaseException as exc:
+        status = getattr(exc, "status", 500)  # an EncodeError's HTTP status (records sits beside ops, not below)
+        trace.end(status if isinstance(status, int) else 500, getattr(exc, "message", None) or repr(exc))
+        raise
+    else:
+        trace.end(200)
+        return answer
+    finally:
+        CURRENT.reset(token)
 
 
 class Tracing:

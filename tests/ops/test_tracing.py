@@ -5,6 +5,7 @@ both ways. With tracing off, nothing of OpenTelemetry's SDK is loaded while the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import importlib.abc
@@ -19,7 +20,8 @@ import pytest
 import zmq
 
 from encode_server.ops.settings import load_settings
-from encode_server.ops.tracing import context_from_metadata, parse_traces_endpoint
+from encode_server.ops.tracing import Tracing, call_traced, context_from_metadata, parse_traces_endpoint
+from encode_server.records import EncodeError
 from tests.support.helpers import InProcessServer, image_b64, png_bytes
 from tests.support.vllm_requests import data_url, image_part, proxy_body
 
@@ -212,6 +214,25 @@ def test_the_traces_endpoint_and_the_missing_extra_are_told_in_one_line(monkeypa
     refused = capsys.readouterr().err
     assert refused.count("\n") == 1 and "--otlp-traces-endpoint needs the opentelemetry library" in refused
     assert "pip install -e '.[otel]'" in refused, refused
+
+
+def test_a_grpc_call_continues_the_metadatas_trace(traced):
+    """What a gRPC front wraps each call in: `call_traced` with the call's invocation metadata."""
+    _, receiver = traced
+    trace_id, caller = "abf92f3577b34da6a3ce929d0e0e4736", "20f067aa0ba902b7"
+    tracing = Tracing(receiver.url + "/v1/traces")
+
+    async def failing() -> None:
+        raise EncodeError(400, "mm_items[0]: not a decodable image")
+
+    metadata = (("traceparent", traceparent(trace_id, caller)), ("authorization", "Bearer k"))
+    with pytest.raises(EncodeError):
+        asyncio.run(call_traced(tracing, "SglangEncoder/Encode", metadata, failing))
+    assert asyncio.run(call_traced(None, "SglangEncoder/Encode", metadata, lambda: asyncio.sleep(0, "ok"))) == "ok"
+    tracing.shutdown()  # exports what is queued
+    (span,) = receiver.of_trace(trace_id)
+    assert span.name == "SglangEncoder/Encode" and span.parent_span_id.hex() == caller
+    assert attributes(span)["rpc.system"] == "grpc" and attributes(span)["http.response.status_code"] == 400
 
 
 def test_grpc_metadata_gives_the_callers_context():
