@@ -554,9 +554,14 @@ def test_server_with_workers_fails_bad_items_alone_and_survives_a_killed_worker(
     def expected(data: bytes) -> np.ndarray:
         return qwen.forward(reference(qwen, "image", [data])).numpy()
 
-    with ServerProcess("--preprocess-workers", "2", "--max-wait-ms", "50", startup_timeout=300) as server:
+    with ServerProcess("--preprocess-workers", "2", "--max-wait-ms", "50", "--log-level", "info",
+                       startup_timeout=300) as server:
         workers = server_workers(server.proc.pid)
         assert len(workers) == 2
+        startup = server.log()  # the seconds the workers take to start are said, not silent
+        starting, started = (startup.find("starting 2 preprocessing worker processes"),
+                             startup.find("preprocessing workers ready in "))
+        assert 0 <= starting < started < startup.find(" s: serving "), startup
         responses = asyncio.run(post_all(server.url, [body("g0", good[0]), body("bad", truncated),
                                                       body("g1", good[1])]))
         assert [r.status_code for r in responses] == [200, 400, 200]
