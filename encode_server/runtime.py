@@ -29,9 +29,9 @@ from encode_server.fronts.vllm.front import VllmFront
 from encode_server.media.decoding import MediaLimits
 from encode_server.models import DTYPE_NAMES, EncoderAdapter
 from encode_server.ops.libraries import MissingLibrary, require
-from encode_server.ops.tracing import libraries_needed as tracing_libraries
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import libraries_needed as tracing_libraries
 from encode_server.parallel.ranks import WorkerGroup
 from encode_server.service import EncoderService
 

@@ -19,9 +19,11 @@ import httpx
 import pytest
 import zmq
 
+from encode_server.ops import libraries
 from encode_server.ops.settings import load_settings
 from encode_server.ops.tracing import Tracing, call_traced, context_from_metadata, parse_traces_endpoint
 from encode_server.records import EncodeError
+from encode_server.runtime import StartError, check_libraries
 from tests.support.helpers import InProcessServer, image_b64, png_bytes
 from tests.support.vllm_requests import data_url, image_part, proxy_body
 
@@ -208,12 +210,13 @@ def test_the_traces_endpoint_and_the_missing_extra_are_told_in_one_line(monkeypa
     with pytest.raises(SystemExit):
         load_settings(["--otlp-traces-endpoint", "http://127.0.0.1:4318", "--otlp-traces-sample-ratio", "2"], {})
     assert "--otlp-traces-sample-ratio must be in 0..1" in capsys.readouterr().err
-    monkeypatch.setattr("encode_server.ops.tracing.installed", lambda library: False)
-    with pytest.raises(SystemExit):
-        load_settings([], {"ENCODER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318"})
-    refused = capsys.readouterr().err
-    assert refused.count("\n") == 1 and "--otlp-traces-endpoint needs the opentelemetry library" in refused
-    assert "pip install -e '.[otel]'" in refused, refused
+    check_libraries(load_settings([], {}))  # off: nothing asked of the library
+    monkeypatch.setattr(libraries, "load_problem", lambda library: "not installed")
+    with pytest.raises(StartError) as refused:
+        check_libraries(load_settings([], {"ENCODER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318"}))
+    message = str(refused.value)
+    assert "\n" not in message and "--otlp-traces-endpoint needs the opentelemetry library" in message
+    assert "pip install -e '.[otel]'" in message, message
 
 
 def test_a_grpc_call_continues_the_metadatas_trace(traced):
