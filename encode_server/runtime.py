@@ -31,6 +31,7 @@ from encode_server.models import DTYPE_NAMES, EncoderAdapter
 from encode_server.ops.libraries import MissingLibrary, require
 from encode_server.ops.metrics import ServerMetrics
 from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import Tracing, tracing_for
 from encode_server.ops.tracing import libraries_needed as tracing_libraries
 from encode_server.parallel.ranks import WorkerGroup
 from encode_server.service import EncoderService
@@ -113,14 +114,15 @@ def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None
     return adapter, group
 
 
-def fronts_for(settings: Settings) -> list[Front]:
+def fronts_for(settings: Settings, tracing: Tracing | None = None) -> list[Front]:
     """Every protocol front, in the order their routes are mounted and they start (closed in reverse); SGLang's
-    gRPC encoder service with `--grpc-port` (grpcio is imported only then: it is an optional extra)."""
+    gRPC encoder service with `--grpc-port` (grpcio is imported only then: it is an optional extra), which
+    continues its calls' traces with `tracing`."""
     fronts: list[Front] = [NativeFront(settings.max_request_bytes), SglangFront(settings), VllmFront(settings)]
     if settings.grpc_port is not None:
         from encode_server.fronts.sglang.grpc_front import SglangGrpcFront
 
-        fronts.append(SglangGrpcFront(settings))
+        fronts.append(SglangGrpcFront(settings, tracing))
     return fronts
 
 
@@ -134,7 +136,9 @@ class Runtime:
         self.settings = settings
         self.adapter = adapter
         self.group = group
-        self.fronts = fronts_for(settings)
+        # Traces (--otlp-traces-endpoint), None when off: the HTTP layer and the gRPC front start requests' spans.
+        self.tracing = tracing_for(settings)
+        self.fronts = fronts_for(settings, self.tracing)
         self.service: EncoderService | None = None
 
     async def start(self) -> EncoderService:
@@ -176,11 +180,14 @@ class Runtime:
         return chosen[0][1] if chosen else delivery
 
     async def stop(self) -> None:
-        """Close the fronts (last started first), then the service (its ranks and workers with it)."""
+        """Close the fronts (last started first), then the service (its ranks and workers with it); then export
+        the spans still queued (off the loop)."""
         for front in reversed(self.fronts):
             await front.close()
         if self.service is not None:
             await self.service.stop()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def transport(self) -> dict[str, object]:
         """`/server_info`'s `transport`: how rows leave this server, per consumer kind."""

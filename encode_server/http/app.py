@@ -6,7 +6,6 @@ body of docs/CONTRACT.md section 2 (`records.error_body`).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from contextlib import asynccontextmanager
 
@@ -20,7 +19,6 @@ import encode_server
 from encode_server.http.error_log import ErrorAnswerLog
 from encode_server.ops.setting_values import exempt_networks, in_networks
 from encode_server.ops.settings import Settings
-from encode_server.ops.tracing import tracing_for
 from encode_server.records import error_body
 from encode_server.runtime import Runtime
 from encode_server.service import EncoderService
@@ -65,7 +63,7 @@ def create_app(settings: Settings, adapter=None, group=None):
     """The ASGI app for `settings`; the encoder is loaded at start-up unless an `adapter` is given
     (`runtime.load_encoder` gives one, and the `group` of its other ranks)."""
     runtime = Runtime(settings, adapter, group)
-    tracing = tracing_for(settings)  # None unless --otlp-traces-endpoint: then nothing of OpenTelemetry is loaded
+    tracing = runtime.tracing  # None unless --otlp-traces-endpoint: then nothing of OpenTelemetry is loaded
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -74,8 +72,6 @@ def create_app(settings: Settings, adapter=None, group=None):
             yield
         finally:
             await runtime.stop()
-            if tracing is not None:  # export what is queued, off the loop
-                await asyncio.to_thread(tracing.shutdown)
 
     # /docs and /redoc from assets installed with the package (fastapi-offline), never from a CDN: offline
     # (an air-gapped node, a cluster without egress) FastAPI's default pages load nothing and stay blank.

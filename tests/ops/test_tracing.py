@@ -24,7 +24,7 @@ from encode_server.ops.settings import load_settings
 from encode_server.ops.tracing import Tracing, call_traced, context_from_metadata, parse_traces_endpoint
 from encode_server.records import EncodeError
 from encode_server.runtime import StartError, check_libraries
-from tests.support.helpers import InProcessServer, image_b64, png_bytes
+from tests.support.helpers import InProcessServer, Pull, free_port, image_b64, png_bytes
 from tests.support.vllm_requests import data_url, image_part, proxy_body
 
 STAGES = ("admission", "decode", "cache", "queue", "preprocess", "forward", "delivery")
@@ -111,7 +111,7 @@ def traced(tmp_path_factory):
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
     try:
         with InProcessServer("--otlp-traces-endpoint", receiver.url, "--cache-bytes", "64MiB",
-                             "--ec-storage", str(storage)) as server:
+                             "--ec-storage", str(storage), "--grpc-port", str(free_port())) as server:
             yield server, receiver
     finally:
         os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
@@ -219,8 +219,34 @@ def test_the_traces_endpoint_and_the_missing_extra_are_told_in_one_line(monkeypa
     assert "pip install -e '.[otel]'" in message, message
 
 
-def test_a_grpc_call_continues_the_metadatas_trace(traced):
-    """What a gRPC front wraps each call in: `call_traced` with the call's invocation metadata."""
+def test_a_grpc_encode_continues_the_metadatas_trace(traced):
+    """SGLang's gRPC `Encode` with a `traceparent` in its metadata: the same spans as `/encode`, under the call's."""
+    import grpc
+    from smg_grpc_proto import sglang_encoder_pb2 as pb
+    from smg_grpc_proto import sglang_encoder_pb2_grpc as pb_grpc
+
+    server, receiver = traced
+    trace_id, caller = "cbf92f3577b34da6a3ce929d0e0e4736", "30f067aa0ba902b7"
+    address = httpx.get(server.url + "/server_info").json()["transport"]["grpc"]["address"]
+    pull = Pull()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            pb_grpc.SglangEncoderStub(channel).Encode(
+                pb.EncodeRequest(mm_items=[image_b64(56, 56, seed=13)], req_id="grpc-traced", num_parts=1,
+                                 prefill_host="127.0.0.1", embedding_port=[pull.port]),
+                metadata=[("traceparent", traceparent(trace_id, caller))], timeout=60)
+        pull.receive()
+    finally:
+        pull.close()
+    spans = receiver.wait_for(trace_id, {"SglangEncoder/Encode", *STAGES})
+    call = spans["SglangEncoder/Encode"]
+    assert call.parent_span_id.hex() == caller and attributes(call)["rpc.system"] == "grpc"
+    assert attributes(call)["http.response.status_code"] == 200
+    assert all(spans[name].parent_span_id == call.span_id for name in STAGES)
+    assert attributes(spans["delivery"])["encoder.destinations"] == 1
+
+
+def test_call_traced_ends_an_error_with_its_status_and_is_a_plain_call_with_tracing_off(traced):
     _, receiver = traced
     trace_id, caller = "abf92f3577b34da6a3ce929d0e0e4736", "20f067aa0ba902b7"
     tracing = Tracing(receiver.url + "/v1/traces")

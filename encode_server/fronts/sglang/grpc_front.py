@@ -20,6 +20,7 @@ from smg_grpc_proto import sglang_encoder_pb2_grpc
 from encode_server.fronts.base import Front
 from encode_server.fronts.sglang.grpc_service import ENCODER_SERVICE, EncoderHealth, SglangEncoderService
 from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import Tracing
 from encode_server.service import EncoderService
 
 log = logging.getLogger("encode_server.fronts.sglang.grpc_front")
@@ -41,8 +42,9 @@ def listen_address(host: str, port: int) -> str:
 class SglangGrpcFront(Front):
     """`--grpc-port`: started after the service, stopped before it."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing  # None: traces off
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -56,7 +58,7 @@ class SglangGrpcFront(Front):
             ("grpc.max_send_message_length", 64 << 20),
         ])
         sglang_encoder_pb2_grpc.add_SglangEncoderServicer_to_server(
-            SglangEncoderService(service, settings.api_key, settings.api_key_exempt_cidrs), server)
+            SglangEncoderService(service, settings.api_key, settings.api_key_exempt_cidrs, self.tracing), server)
         health_pb2_grpc.add_HealthServicer_to_server(EncoderHealth(service), server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
         address = listen_address(settings.host, settings.grpc_port)

@@ -34,6 +34,7 @@ from encode_server.fronts.sglang.item_modality import part_modality
 from encode_server.fronts.sglang.mooncake import SglangMooncakeStager
 from encode_server.models.dtypes import DTYPE_NAMES
 from encode_server.ops.setting_values import exempt_networks, in_networks
+from encode_server.ops.tracing import Tracing, call_traced
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
 
@@ -83,8 +84,10 @@ def _peer_address(peer: str) -> str:
 class SglangEncoderService(sglang_encoder_pb2_grpc.SglangEncoderServicer):
     """The three RPCs over the running `EncoderService`; see the module docstring."""
 
-    def __init__(self, service: EncoderService, api_key: str | None = None, exempt_cidrs: str | None = None) -> None:
+    def __init__(self, service: EncoderService, api_key: str | None = None, exempt_cidrs: str | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.service = service
+        self.tracing = tracing  # Encode calls continue their metadata's traceparent (None: traces off)
         self._key = api_key.encode() if api_key else None
         self._exempt = exempt_networks(exempt_cidrs)
 
@@ -143,7 +146,8 @@ class SglangEncoderService(sglang_encoder_pb2_grpc.SglangEncoderServicer):
             answer = await self.service.encode(payload, front="grpc")
             return sglang_encoder_pb2.EncodeResponse(**sizes_of(answer))
 
-        return await self._answer(context, request.req_id, work)
+        return await self._answer(context, request.req_id, lambda: call_traced(
+            self.tracing, "SglangEncoder/Encode", context.invocation_metadata() or (), work))
 
     async def SchedulerReceiveUrl(self, request, context):  # noqa: N802
         async def work() -> Any:
