@@ -99,7 +99,7 @@ def forward_part(folder: Path, images: list[bytes], batch_sizes: list[int], repe
     aligned_mlp.enabled = True
     limits = MediaLimits.from_settings(Settings(), adapter)
     largest = max(batch_sizes)
-    prepared = [adapter.preprocess("image", [decode_bytes("image", images[i % len(images)], limits, "x")])
+    prepared = [adapter.processor.preprocess("image", [decode_bytes("image", images[i % len(images)], limits, "x")])
                 for i in range(largest)]
     # (attention implementation, varlen allowed, MLP widths padded); `loop` is transformers' own path.
     modes = {"loop": ("sdpa", False, False), "grouped": (packed_attention.PACKED_ATTENTION, False, False),
@@ -169,7 +169,7 @@ def profile_part(folder: Path, images: list[bytes], out_dir: str | None, device:
 
     adapter = load_adapter(str(folder), device, "bfloat16" if device == "cuda" else "float32")
     limits = MediaLimits.from_settings(Settings(), adapter)
-    batch = [adapter.preprocess("image", [decode_bytes("image", data, limits, "x")]) for data in images[:8]]
+    batch = [adapter.processor.preprocess("image", [decode_bytes("image", data, limits, "x")]) for data in images[:8]]
     pixels = [item.inputs["pixel_values"].to(device, adapter.dtype) for item in batch]
     grid = torch.cat([item.inputs["grid_thw"] for item in batch]).to(device)
     with torch.inference_mode():

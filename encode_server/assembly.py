@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import pickle
 
 import torch
 
@@ -76,22 +75,16 @@ def make_preprocess_pool(settings: Settings, adapter: EncoderAdapter, limits: Me
         log.warning("--preprocess-workers is ignored with --preprocess-device %s: images are preprocessed on the "
                     "GPU in this process", settings.preprocess_device)
         return None
-    try:
-        pickle.dumps(adapter.preprocessing_copy())
-    except Exception as exc:  # e.g. a family whose sizing rule is a local closure
-        log.warning("--preprocess-workers %d ignored: model family %s cannot be sent to worker processes (%s); "
-                    "preprocessing runs in-process", workers, adapter.info.family, exc)
-        return None
     return PreprocessPool(adapter, limits, workers, item_timeout_s=settings.req_timeout_s)
 
 
 def probe_sample(adapter: EncoderAdapter, limits: MediaLimits) -> tuple[str, bytes]:
     """The health probe's input: the model's sample file shrunk to within `limits` (`ops.health.fit_sample`).
     ValueError, naming the setting, when the model refuses even that (the server cannot be healthy then)."""
-    modality, data = adapter.sample_encoded()
+    modality, data = adapter.processor.sample_encoded()
     fitted = fit_sample(modality, data, limits.max_image_pixels, limits.max_audio_seconds)
     try:
-        adapter.item_layout(modality, decode_bytes(modality, fitted, limits, "the health probe's item"))
+        adapter.processor.item_layout(modality, decode_bytes(modality, fitted, limits, "the health probe's item"))
     except (MediaError, ItemError) as exc:
         setting = "--max-image-pixels" if modality == "image" else "--max-audio-seconds"
         raise ValueError(f"the health probe's {modality} cannot fit within {setting} and still be encoded "
@@ -177,8 +170,8 @@ def build_service(settings: Settings, adapter: EncoderAdapter, group: WorkerGrou
     jobs = JobQueue(scheduler, metrics)
     # The embedding cache's request path (off with --cache-bytes 0); its misses come back through
     # `jobs.submit_shared`, ordered by the most urgent request waiting for them.
-    cached = CachedEncoding(cache, keys, media, adapter.item_layout, metrics, jobs.submit_shared, native_store,
-                            clock.now) if keys is not None else None
+    cached = CachedEncoding(cache, keys, media, adapter.processor.item_layout, metrics, jobs.submit_shared,
+                            native_store, clock.now) if keys is not None else None
     encoder = PartEncoder(adapter, media, jobs, cached, clock, probe_sample(adapter, limits))
     delivery = delivery or zmq_delivery(settings, adapter, metrics)
     parts = ServiceParts(

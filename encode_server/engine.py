@@ -182,13 +182,23 @@ class EncoderEngine:
                 return
             _settle(done, (prepared, preprocess_s, rows, forward_s, preprocessed, time.perf_counter()))
 
+        def failed(error: Exception) -> None:
+            try:
+                self.adapter.preprocess_failed(modality, error)
+            finally:
+                _settle(done, exception=error)
+
         def process() -> None:
             try:
-                prepared, preprocess_s = _timed(self.adapter.preprocess, modality, items)
+                try:
+                    prepared, preprocess_s = _timed(self.adapter.processor.preprocess, modality, items)
+                except Exception as exc:  # the processor failed: the forward's thread says so, in batch order
+                    self._forward_pool.submit(failed, exc)
+                    return
                 # The forward runs even for a batch that does not look right, so that tensor-parallel ranks
                 # reach their layout agreement together; the checks come after it.
                 self._forward_pool.submit(forward, prepared, preprocess_s, time.perf_counter())
-            except BaseException as exc:  # the processor failed, or the engine is closing
+            except BaseException as exc:  # the engine is closing
                 _settle(done, exception=exc)
 
         self._processor_thread.submit(process)

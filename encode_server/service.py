@@ -134,7 +134,7 @@ class PartEncoder:
                 if trace is not None:
                     trace.encoded(part, decode_started, meta.req_id)
                 return part
-            loaded = await self.media.load(meta.modality, sources, self.adapter.item_layout)
+            loaded = await self.media.load(meta.modality, sources, self.adapter.processor.item_layout)
         except MediaError as exc:
             raise EncodeError(400, str(exc), meta.req_id) from None
         decoded = time.perf_counter()
@@ -149,7 +149,7 @@ class PartEncoder:
 
     async def probe(self, timeout_s: float) -> None:
         """A tiny built-in input through decode, scheduler, processor, forward and slicing (the health probe)."""
-        modality, data = self.probe_input or self.adapter.sample_encoded()
+        modality, data = self.probe_input or self.adapter.processor.sample_encoded()
         meta = PartMeta(req_id=PROBE_REQ_ID, part_idx=0, num_parts=1, modality=modality)
         part = await self.encode(meta, [base64.b64encode(data).decode("ascii")], self.clock.now() + timeout_s,
                                  probe=True)

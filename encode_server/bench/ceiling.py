@@ -45,13 +45,13 @@ def _measure(adapter, modality: str, payloads: list[str], batch_size: int, secon
         else:
             items.append(Image.open(io.BytesIO(data)).convert("RGB"))
     items = items[:batch_size]
-    adapter.forward(adapter.preprocess(modality, items))  # warm-up
+    adapter.forward(adapter.processor.preprocess(modality, items))  # warm-up
     batches, preprocess_s, forward_s = 0, 0.0, 0.0
     deadline = time.perf_counter() + seconds
     with torch.inference_mode():
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            prepared = adapter.preprocess(modality, items)
+            prepared = adapter.processor.preprocess(modality, items)
             middle = time.perf_counter()
             adapter.forward(prepared)
             preprocess_s += middle - started

@@ -385,7 +385,8 @@ SECONDS_PER_GRID_FAMILIES = ("qwen2_5_vl", "qwen2_5_omni", "qwen3_omni_moe")
 def seconds_per_grid_step(adapter: Any, video_fps: float) -> float | None:
     """Seconds per temporal grid step (temporal patch size / sampling fps) for the families that use it; None
     for the others."""
-    if getattr(adapter.info, "family", None) not in SECONDS_PER_GRID_FAMILIES or \
-            not hasattr(adapter, "temporal_patch_size"):
+    # A grid family's processor says it (`processors.grid.GridProcessor`).
+    temporal_patch_size = getattr(getattr(adapter, "processor", None), "temporal_patch_size", None)
+    if getattr(adapter.info, "family", None) not in SECONDS_PER_GRID_FAMILIES or temporal_patch_size is None:
         return None
-    return adapter.temporal_patch_size / video_fps
+    return temporal_patch_size / video_fps

@@ -2,7 +2,7 @@
 
 Images (EXIF orientation applied as `transformers.image_utils.load_image` does), audio (soundfile,
 resampled with librosa, mono), video files (PyAV, sampled at `video_fps`) and videos given as image
-frames. A video comes back as a `VideoClip` (`encode_server/models/inputs/video_clip.py`): its frames and where they
+frames. A video comes back as a `VideoClip` (`processors/video_clip.py`): its frames and where they
 sit in the source (the stream's frame rate and each frame's index in it; frames given as images are
 taken as sampled at `video_fps`, frame i at i / video_fps seconds). Every failure is a `MediaError`
 naming the item. Used by the server's media threads, the
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from encode_server.models.inputs.video_clip import VideoClip
+from processors.video_clip import VideoClip
 
 #: PIL's own bomb guard stays on as a second line; ours (`max_image_pixels`) runs first.
 Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, 200_000_000)
@@ -183,10 +183,10 @@ class MediaLimits:
 
     @classmethod
     def from_settings(cls, settings: Any, adapter: Any) -> MediaLimits:
-        """The limits of a server's `Settings`, audio resampled to the adapter's rate (16 kHz if it has none)."""
+        """The limits of a server's `Settings`, audio resampled to the rate of the adapter's processor."""
         return cls(
             max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
-            audio_sample_rate=int(getattr(adapter, "sampling_rate", 16000)),
+            audio_sample_rate=adapter.processor.sampling_rate,
             max_audio_seconds=settings.max_audio_seconds, video_fps=settings.video_fps,
             max_video_frames=settings.max_video_frames, allow_private_urls=settings.allow_private_urls,
             allowed_local_media_dir=settings.allowed_local_media_dir,

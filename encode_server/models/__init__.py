@@ -1,32 +1,27 @@
 """The model layer: encoder families behind one adapter interface; `load_adapter` picks one by name, folder or
-Hub id. It imports nothing else of the server (the layout test keeps it the bottom layer).
+Hub id. It imports nothing else of the server but `processors` (the layout test keeps it below every other layer).
 
-`base.py` is the adapter interface (`EncoderAdapter`, `PreparedBatch`, `ItemLayout`), `dtypes.py` the one table of
-embedding dtypes, `family.py` what a family declares, `registry.py` the list of families, `builtin.py` the fixed
-seed of the built-in tiny models. Below: `families/` (one module per family), `generic/` (the fallback family),
-`towers/` (adapters several families share), `inputs/` (items to tower inputs), `layers/` (faster equivalent
-layers), `loading/` (checkpoints, Hub) and `sharding/` (tensor-parallel plans). `BUILTIN_MODELS` (built-in tiny
-model name -> builder) is gathered from the registry on first use, so importing this package stays cheap.
+`base.py` is the adapter interface (`EncoderAdapter`: a tower holding its `processors.Processor`), `dtypes.py` the
+one table of embedding dtypes, `family.py` what a family declares, `registry.py` the list of families,
+`builtin.py` the fixed seed of the built-in tiny models. Below: `families/` (one module per family: its tower, its
+loader and the checks of its processor against its tower), `generic/` (the fallback family), `towers/` (adapters
+several families share), `layers/` (faster equivalent layers), `loading/` (checkpoints, Hub) and `sharding/`
+(tensor-parallel plans). Media -> tower inputs is the top-level `processors` package, which this layer imports
+(never the reverse); the records it makes (`ItemLayout`, `PreparedBatch`, `ItemError`) are re-exported here.
+`BUILTIN_MODELS` (built-in tiny model name -> builder) is gathered from the registry on first use, so importing
+this package stays cheap.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from encode_server.models.base import (
-    DeviceError,
-    EncoderAdapter,
-    ItemError,
-    ItemLayout,
-    ModelInfo,
-    PreparedBatch,
-    resolve_device,
-    resolve_dtype,
-)
+from encode_server.models.base import DeviceError, EncoderAdapter, ModelInfo, resolve_device, resolve_dtype
 from encode_server.models.dtypes import DTYPE_NAMES
+from processors.base import ItemError, ItemLayout, PreparedBatch, Processor
 
 __all__ = ["DTYPE_NAMES", "DeviceError", "EncoderAdapter", "ItemError", "ItemLayout", "ModelInfo", "PreparedBatch",
-           "load_adapter", "resolve_model", "BUILTIN_MODELS"]
+           "Processor", "load_adapter", "resolve_model", "BUILTIN_MODELS"]
 
 
 def __getattr__(name: str) -> Any:

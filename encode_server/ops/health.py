@@ -81,7 +81,7 @@ class HealthProbe:
 
 
 def fit_sample(modality: str, data: bytes, max_image_pixels: int, max_audio_seconds: float) -> bytes:
-    """A sample file (`EncoderAdapter.sample_encoded`: a PNG image or a WAV clip) made to fit the decode limits:
+    """A sample file (`Processor.sample_encoded`: a PNG image or a WAV clip) made to fit the decode limits:
     an image over `max_image_pixels` scaled down (aspect kept, at least 1x1), a clip over `max_audio_seconds`
     cut; what already fits comes back as it is."""
     if modality == "image":

@@ -195,19 +195,8 @@ class TensorParallelAdapter(EncoderAdapter):
         self.inner = inner
         self.group = group
         self.info, self.device, self.dtype = inner.info, inner.device, inner.dtype
+        self.processor = inner.processor  # every rank prepares the batch with its own copy of it
         self._batch_ids = itertools.count()
-
-    def __getattr__(self, name: str) -> Any:  # sampling_rate and other family details
-        return getattr(self.inner, name)
-
-    def sample_item(self):
-        return self.inner.sample_item()
-
-    def sample_encoded(self):
-        return self.inner.sample_encoded()
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        return self.inner.item_layout(modality, item)
 
     def warmup(self) -> None:
         """Nothing: a forward needs every rank; the first health probe warms the whole group."""
@@ -218,19 +207,16 @@ class TensorParallelAdapter(EncoderAdapter):
         for worker in self.group.workers:
             self.group.send_batch(worker, batch_id, modality, raw)
 
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        try:
-            return self.inner.preprocess(modality, items)
-        except Exception as exc:  # still take part in the agreement, or the other ranks would wait
-            return PreparedBatch(modality=modality, inputs={}, layouts=[], extras={"error": exc})
+    def preprocess_failed(self, modality: str, error: BaseException) -> None:
+        """Still take part in the batch's layout agreement (with none), or the other ranks would wait."""
+        from encode_server.parallel.tensor_parallel import agree_on_layout
+
+        agree_on_layout(None)
 
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         from encode_server.parallel.tensor_parallel import agree_on_layout
 
-        error = batch.extras.get("error")
-        agree_on_layout(None if error else batch)
-        if error:
-            raise error
+        agree_on_layout(batch)
         return self.inner.forward(batch)
 
 

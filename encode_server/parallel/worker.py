@@ -50,8 +50,8 @@ def prepare(adapter, limits: MediaLimits, modality: str, raw_items: list):
         item = decode_frames(raw, limits, location) if isinstance(raw, list) else \
             decode_bytes(modality, raw, limits, location)
         decoded.append(item)
-    layouts = [adapter.item_layout(modality, item) for item in decoded]
-    return adapter.preprocess(modality, decoded), layouts
+    layouts = [adapter.processor.item_layout(modality, item) for item in decoded]
+    return adapter.processor.preprocess(modality, decoded), layouts
 
 
 def run_tensor_parallel(adapter, limits: MediaLimits, batches: zmq.Socket) -> None:

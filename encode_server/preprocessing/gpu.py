@@ -26,7 +26,7 @@ class PreprocessDeviceError(ValueError):
 
 def pil_backend_class(pil_processor: Any) -> type:
     """The `transformers` PIL-backend class of a processor: its own class, or for our table-lookup copies
-    (`encode_server/models/inputs/fast_patches.py`) the stock class they derive from."""
+    (`processors/fast_patches.py`) the stock class they derive from."""
     for cls in type(pil_processor).__mro__:
         if cls.__name__.endswith("Pil") and ".image_processing_pil_" in cls.__module__:
             return cls
@@ -81,14 +81,14 @@ def check_preprocess_device(preprocess_device: str, adapter: Any) -> None:
     except ImportError:
         raise PreprocessDeviceError("--preprocess-device cuda needs torchvision (transformers' fast image "
                                     "processors use it); install it or use --preprocess-device cpu") from None
-    if getattr(adapter, "image_processor", None) is None:
+    if getattr(adapter.processor, "image_processor", None) is None:
         raise PreprocessDeviceError(f"--preprocess-device cuda: model family {adapter.info.family!r} has no image "
                                     "processor to run on the GPU")
-    fast_twin(adapter.image_processor)
+    fast_twin(adapter.processor.image_processor)
 
 
 def use_device_preprocessing(adapter: Any, preprocess_device: str) -> None:
     """Check, then route the adapter's image preprocessing to its model's CUDA device."""
     check_preprocess_device(preprocess_device, adapter)
     if preprocess_device == "cuda":
-        adapter.image_processor = DeviceImageProcessor(adapter.image_processor, adapter.device)
+        adapter.processor.image_processor = DeviceImageProcessor(adapter.processor.image_processor, adapter.device)

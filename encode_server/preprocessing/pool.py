@@ -1,11 +1,11 @@
 """Decode and preprocess media items in worker processes, so that preprocessing runs on every core.
 
 `PreprocessPool` starts `workers` processes (from a fork server that has imported what they need:
-`preprocessing.process.worker_context`), each holding the adapter's
-`preprocessing_copy()` (no model) and one torch thread. A task is one item: its raw file bytes (a
-list of image files for a video given as frames) and its modality; the worker decodes it with the
+`preprocessing.process.worker_context`), each holding the adapter's processor (`adapter.processor`, pickled as
+it is: a processor holds no model) and one torch thread. A task is one item: its raw file bytes (a list of image
+files for a video given as frames) and its modality; the worker decodes it with the
 functions and limits of `media/decoding.py` (as the server's own decode threads do), checks its layout
-(`item_layout`) and runs the family's `preprocess` on that item alone. `collate` then fuses a batch's
+(`item_layout`) and runs the processor's `preprocess` on that item alone. `collate` then fuses a batch's
 per-item results in order into what one `preprocess` over the batch would give.
 
 Pixels never go through pickle: the worker (`preprocessing/worker.py`) writes the item's input tensors
@@ -34,7 +34,7 @@ pool gives up and fails what it holds).
     pool = PreprocessPool(adapter, MediaLimits.from_settings(settings, adapter), workers=4)
     pool.start()                                   # blocks until every worker is ready
     results = await pool.prepare("image", [jpeg_bytes, png_bytes])   # PreparedBatch | ItemFailure
-    batch = adapter.collate([r for r in results if isinstance(r, PreparedBatch)])
+    batch = adapter.processor.collate([r for r in results if isinstance(r, PreparedBatch)])
     rows = adapter.forward(batch)
     pool.release(results)                          # their shared memory is the workers' again
     pool.close()
@@ -117,8 +117,8 @@ class PreprocessPool:
         self.start_timeout_s = start_timeout_s
         self.max_start_failures = max_start_failures
         self.broken: str | None = None  # why the pool can no longer prepare anything
-        self._copy = adapter.preprocessing_copy()
-        self._context = worker_context(self._copy)
+        self._processor = adapter.processor
+        self._context = worker_context(self._processor)
         self._block_prefix = str(SHM_DIR / f"encode-preprocess-{os.getpid()}-{id(self):x}")
         self._workers = [WorkerHandle(index) for index in range(workers)]
         self._inbox: deque[tuple[Submission, list[Task]]] = deque()
@@ -256,7 +256,7 @@ class PreprocessPool:
         with self._release_lock:  # `release` must not hand the new process the old one's slots
             worker.generation += 1
             worker.released = []
-        worker.start(self._context, self._copy, self.limits, self._block_prefix, self.threads_per_worker)
+        worker.start(self._context, self._processor, self.limits, self._block_prefix, self.threads_per_worker)
 
     def _conduct(self) -> None:
         try:

@@ -6,7 +6,7 @@ how to start its process, tell it the next task, reap it when it dies (and say w
 deciding what to do about a death (retry the item, restart, give up) is the pool's business.
 
 Workers start from multiprocessing's fork server (`worker_context`), which imports torch, transformers
-and the modules the adapter's copy needs once: a worker then starts in a fraction of a second instead of
+and the modules the adapter's processor needs once: a worker then starts in a fraction of a second instead of
 importing them again (seconds of CPU per worker at start-up and on every restart after a crash), and its
 pages of those modules are shared with the other workers.
 """
@@ -27,12 +27,13 @@ from encode_server.preprocessing.shared_tensors import SHM_DIR, SlotReader
 from encode_server.preprocessing.worker import worker_main
 
 
-def worker_context(adapter_copy: Any) -> multiprocessing.context.BaseContext:
+def worker_context(processor: Any) -> multiprocessing.context.BaseContext:
     """The context workers start in: a fork server that has preloaded the worker's module and every module
-    unpickling `adapter_copy` imports (its family, its processor's classes, torch). The fork server is one
-    per process and started on first use: the preload is set by the first pool and later ones share it."""
+    unpickling `processor` imports (its family's processor, the `transformers` classes it holds, torch). The
+    fork server is one per process and started on first use: the preload is set by the first pool and later ones
+    share it."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["encode_server.preprocessing.worker", *modules_pickled_in(adapter_copy)])
+    context.set_forkserver_preload(["encode_server.preprocessing.worker", *modules_pickled_in(processor)])
     return context
 
 
@@ -81,14 +82,14 @@ class WorkerHandle:
         """Where this generation's shared-memory files are named."""
         return f"{pool_prefix}-w{self.index}g{self.generation}"
 
-    def start(self, context, adapter_copy: Any, limits: Any, pool_prefix: str, threads: int) -> None:
+    def start(self, context, processor: Any, limits: Any, pool_prefix: str, threads: int) -> None:
         """Start this generation's process (the caller has moved `generation` on)."""
         task_receiver, task_sender = context.Pipe(duplex=False)
         result_receiver, result_sender = context.Pipe(duplex=False)
         self.slots = SlotReader()
         process = context.Process(
             target=worker_main, name=f"preprocess-worker-{self.index}", daemon=True,
-            args=(self.index, adapter_copy, limits, task_receiver, result_sender, self.block_prefix(pool_prefix),
+            args=(self.index, processor, limits, task_receiver, result_sender, self.block_prefix(pool_prefix),
                   threads))
         process.start()
         task_receiver.close()  # the worker's ends: once closed here, its death reads as EOF

@@ -1,6 +1,6 @@
 """What a preprocessing worker process does (started by `preprocessing.pool.PreprocessPool` from its fork server).
 
-A worker holds the adapter's `preprocessing_copy()` (no model) and one torch thread. For each task (one
+A worker holds the adapter's processor (`processors.Processor`: no model) and one torch thread. For each task (one
 item's raw bytes and modality) it decodes the item with the functions and limits of `media/decoding.py` (as
 the server's own decode threads do), checks its layout, runs the family's `preprocess` on it alone, and sends the
 tensors back through shared memory (`preprocessing/shared_tensors.py`): never the pixels through the pipe. It keeps
@@ -21,28 +21,27 @@ from typing import Any
 import torch
 
 from encode_server.media.decoding import MediaLimits
-from encode_server.models import EncoderAdapter, PreparedBatch
-from encode_server.models.base import new_pixels, pixels_allocated_by
 from encode_server.preprocessing.shared_tensors import SlotWriter, export_tensors
+from processors.base import PreparedBatch, Processor, new_pixels, pixels_allocated_by
 
 log = logging.getLogger("encode_server.preprocessing.worker")
 
 
-def prepare_item(adapter: EncoderAdapter, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
+def prepare_item(processor: Processor, limits: MediaLimits, modality: str, raw: bytes | list[bytes],
                  location: str) -> PreparedBatch:
-    """Decode one item's bytes and run the family's `preprocess` on it alone (what a worker does)."""
+    """Decode one item's bytes and run the processor's `preprocess` on it alone (what a worker does)."""
     from encode_server.media.decoding import MediaError, decode_bytes, decode_frames
-    from encode_server.models import ItemError
+    from processors.base import ItemError
 
     if isinstance(raw, list):
         item = decode_frames(raw, limits, location)
     else:
         item = decode_bytes(modality, raw, limits, location)
     try:
-        layout = adapter.item_layout(modality, item)
+        layout = processor.item_layout(modality, item)
     except ItemError as exc:
         raise MediaError(location, str(exc)) from None
-    prepared = adapter.preprocess(modality, [item])
+    prepared = processor.preprocess(modality, [item])
     if prepared.layouts != [layout]:
         raise RuntimeError(f"{location}: the processor's grid {prepared.layouts} differs from the item's layout "
                            f"{layout}")
@@ -61,7 +60,7 @@ def _one_slot(slots: SlotWriter):
     return allocate
 
 
-def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks, results, block_prefix: str,
+def worker_main(index: int, processor: Processor, limits: MediaLimits, tasks, results, block_prefix: str,
                  threads: int) -> None:
     """A worker process: warm up, say ready, then prepare one task at a time until told to stop."""
     from encode_server.media.decoding import MediaError
@@ -74,8 +73,8 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
 
     configure_logging("warning", process=f"preprocess-worker{index}")
     try:
-        modality, sample = adapter.sample_encoded()
-        prepare_item(adapter, limits, modality, sample, "warm-up")
+        modality, sample = processor.sample_encoded()
+        prepare_item(processor, limits, modality, sample, "warm-up")
     except Exception as exc:
         results.send(("broken", os.getpid(), f"{type(exc).__name__}: {exc}", None))
         return
@@ -94,7 +93,7 @@ def worker_main(index: int, adapter: EncoderAdapter, limits: MediaLimits, tasks,
         started, cpu_started = time.perf_counter(), time.process_time()
         try:
             with pixels_allocated_by(_one_slot(slots)):
-                prepared = prepare_item(adapter, limits, modality, raw, location)
+                prepared = prepare_item(processor, limits, modality, raw, location)
             inputs: Any
             try:
                 inputs = (slots.write(prepared.inputs)

@@ -307,7 +307,8 @@ def test_tensor_parallel_ranks_only_ever_see_the_missing_items():
         assert np.array_equal(rows[0], embedding_of(first))
         from PIL import Image
 
-        expected = reference.forward(reference.preprocess("image", [Image.open(io.BytesIO(base64.b64decode(b)))
+        expected = reference.forward(reference.processor.preprocess("image",
+                                                                    [Image.open(io.BytesIO(base64.b64decode(b)))
                                                                     .convert("RGB")])).numpy()
         assert np.abs(rows[1] - expected).max() <= 1e-5 * np.abs(expected).max()
         assert httpx.get(tp_server.url + "/health").status_code == 200

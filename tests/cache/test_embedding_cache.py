@@ -350,7 +350,7 @@ def test_fingerprint_is_stable_across_loads_of_the_same_model(internvl):
 
 def test_fingerprint_changes_with_a_processor_setting(internvl):
     changed = copy.deepcopy(internvl)
-    changed.image_processor.max_patches = 4
+    changed.processor.image_processor.max_patches = 4
     assert adapter_fingerprint(changed) != adapter_fingerprint(internvl)
 
 
@@ -376,7 +376,7 @@ def test_fingerprint_sees_through_a_wrapping_adapter(internvl):
             self.inner, self.group = inner, Wrapper()
 
     changed = copy.deepcopy(internvl)
-    changed.image_processor.max_patches = 4
+    changed.processor.image_processor.max_patches = 4
     assert adapter_fingerprint(Wrapping(internvl)) == adapter_fingerprint(Wrapping(load_adapter("tiny-internvl")))
     assert adapter_fingerprint(Wrapping(internvl)) != adapter_fingerprint(Wrapping(changed))
 

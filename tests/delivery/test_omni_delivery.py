@@ -56,7 +56,7 @@ def test_video_parts_carry_seconds_per_grid_step(adapters, name):
     adapter = adapters[name]
     assert seconds_per_grid_step(adapter, 2.0) == 1.0 and seconds_per_grid_step(adapter, 4.0) == 0.5
     clips = sample_clips()
-    layouts = [adapter.item_layout("video", clip) for clip in clips]
+    layouts = [adapter.processor.item_layout("video", clip) for clip in clips]
     rows = sum(layout.tokens for layout in layouts)
     part = EncodedPart(embedding=torch.zeros(rows, adapter.info.row_width_of("video")), layouts=tuple(layouts),
                        batch_size=1)
@@ -71,7 +71,7 @@ def test_video_parts_carry_seconds_per_grid_step(adapters, name):
 def test_audio_grid_is_mel_frames_that_sglang_counts_as_our_rows(adapters, name):
     adapter = adapters[name]
     clips = sample_audio("qwen3_omni_moe")
-    prepared = adapter.preprocess("audio", clips)
+    prepared = adapter.processor.preprocess("audio", clips)
     frames = [layout.mel_frames for layout in prepared.layouts]
     assert sglang_audio_rows(adapter.info.family, frames) == [layout.tokens for layout in prepared.layouts]
     rows = adapter.forward(prepared)
@@ -130,7 +130,7 @@ async def test_one_server_answers_all_three_modalities_with_their_own_row_widths
             assert response.get("deepstack", 0) == adapter.info.deepstack_of(modality)
             rows = torch.frombuffer(bytearray(base64.b64decode(response["embedding"])), dtype=torch.float32)
             item = {"image": frames[0], "video": frames, "audio": clip}[modality]
-            want = adapter.forward(adapter.preprocess(modality, [item]))
+            want = adapter.forward(adapter.processor.preprocess(modality, [item]))
             assert torch.equal(rows.view(want.shape), want), modality
     finally:
         await service.stop()

@@ -213,10 +213,10 @@ def test_server_info_reports_the_wire_format(server):
 def test_audio_grid_is_the_processors_mel_frame_lengths():
     adapter = tiny_qwen2_audio(torch.device("cpu"), torch.float32)
     clips = [np.zeros(16000, dtype=np.float32), np.zeros(5000, dtype=np.float32)]
-    layouts = [adapter.item_layout("audio", clip) for clip in clips]
+    layouts = [adapter.processor.item_layout("audio", clip) for clip in clips]
     hop = adapter.hop_length
     assert [layout.mel_frames for layout in layouts] == [-(-len(clip) // hop) for clip in clips]
-    prepared = adapter.preprocess("audio", clips)
+    prepared = adapter.processor.preprocess("audio", clips)
     assert [layout.mel_frames for layout in prepared.layouts] == [layout.mel_frames for layout in layouts]
     assert prepared.layouts == layouts
     rows = sum(layout.tokens for layout in layouts)

@@ -10,9 +10,9 @@ import torch
 
 from encode_server.delivery.formats import wire_format
 from encode_server.delivery.sglang_wire import SglangWire
-from encode_server.models.base import ItemLayout
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodedPart, PartMeta
+from processors.base import ItemLayout
 from tests.support.sglang_frames import load
 
 

@@ -52,9 +52,9 @@ def test_an_image_without_exif_is_unchanged():
 def test_the_grid_is_the_one_transformers_sees():
     data = phone_jpeg()
     adapter = load_adapter("tiny-qwen2.5-vl", "cpu", "float32")
-    want = adapter.image_processor(images=[load_image(Image.open(io.BytesIO(data)))], return_tensors="pt")
+    want = adapter.processor.image_processor(images=[load_image(Image.open(io.BytesIO(data)))], return_tensors="pt")
     assert want["image_grid_thw"].tolist() == [[1, 12, 6]]
-    assert adapter.item_layout("image", decode_image(data, 50_000_000, "x")).grid_thw == (1, 12, 6)
+    assert adapter.processor.item_layout("image", decode_image(data, 50_000_000, "x")).grid_thw == (1, 12, 6)
     with InProcessServer() as server:
         encoded = base64.b64encode(data).decode()
         image = httpx.post(server.url + "/encode", timeout=60, json={

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-from encode_server.models.base import ItemError
 from encode_server.models.families.dots3_note import FAMILY, audio_rows
 from encode_server.models.loading.checkpoint import CheckpointError
 from encode_server.models.registry import family_for_model_type, load_checkpoint
+from processors.base import ItemError
 from tests.support.checkpoints.dots3_note import DOTS_SAMPLING_RATE, dots3_note_checkpoint
 from tests.support.family_fixtures import (
     check_fused_equals_alone,
@@ -63,7 +63,7 @@ def clips():
 def test_the_registry_serves_dots3_note_here_without_a_tensor_parallel_plan(adapter):
     assert family_for_model_type("dots3_note") is FAMILY and FAMILY.shard is None
     assert adapter.info.family == "dots3_note" and adapter.info.modalities == ("image", "video", "audio")
-    assert adapter.sampling_rate == DOTS_SAMPLING_RATE
+    assert adapter.processor.sampling_rate == DOTS_SAMPLING_RATE
 
 
 def test_the_published_layout_loads_to_the_tensors_from_pretrained_makes(checkpoint, adapter):
@@ -102,7 +102,8 @@ def test_fused_videos_equal_get_video_features_alone(checkpoint, adapter, proces
 
     def alone(frames):
         inputs = processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
-        assert torch.equal(inputs["pixel_values_videos"], adapter.preprocess("video", [frames]).inputs["pixel_values"])
+        assert torch.equal(inputs["pixel_values_videos"], adapter.processor.preprocess("video",
+                                                                                       [frames]).inputs["pixel_values"])
         with torch.no_grad():
             return torch.cat(model.model.get_video_features(inputs["pixel_values_videos"],
                                                             inputs["video_grid_thw"]).pooler_output)
@@ -124,7 +125,7 @@ def test_fused_audio_equals_get_audio_features_alone(checkpoint, adapter, proces
     assert [layout.tokens for layout in batch.layouts] == [7, 93, 1]
     assert [layout.receiver_grid for layout in batch.layouts] == [7, 93, 1]
     # The preprocessing pool prepares each clip alone and collates them (chunks padded to the longest).
-    collated = adapter.collate([adapter.preprocess("audio", [wave]) for wave in clips()])
+    collated = adapter.processor.collate([adapter.processor.preprocess("audio", [wave]) for wave in clips()])
     assert rel_diff(adapter.forward(collated), adapter.forward(batch)) <= 1e-6
 
 
@@ -146,8 +147,8 @@ def test_rows_fill_exactly_the_placeholders_the_full_processor_inserts(checkpoin
     token_ids = {"image": config.image_token_id, "video": config.video_token_id, "audio": config.audio_token_id}
     items = {"image": image, "video": frames, "audio": wave}
     for modality, token_id in token_ids.items():
-        layout = adapter.item_layout(modality, items[modality])
-        rows = adapter.forward(adapter.preprocess(modality, [items[modality]]))
+        layout = adapter.processor.item_layout(modality, items[modality])
+        rows = adapter.forward(adapter.processor.preprocess(modality, [items[modality]]))
         placeholders = int((inputs["input_ids"] == token_id).sum())
         assert layout.tokens == placeholders == rows.shape[0]
         assert rel_diff(rows, spliced_rows(model, inputs, token_id)) <= 1e-5
@@ -161,7 +162,7 @@ def test_rows_fill_exactly_the_placeholders_the_full_processor_inserts(checkpoin
 ])
 def test_items_the_model_cannot_take_are_refused_by_name(adapter, modality, item, message):
     with pytest.raises(ItemError, match=message):
-        adapter.item_layout(modality, item)
+        adapter.processor.item_layout(modality, item)
 
 
 def test_an_image_processor_with_temporal_patches_is_refused(checkpoint, tmp_path):

@@ -86,9 +86,9 @@ def test_qwen25_vl_folder_matches_get_image_features(qwen_ckpt):
     adapter = load_checkpoint(folder, CPU, F32)
     assert adapter.info.family == "qwen2_5_vl" and adapter.info.hidden_size == 96
     images = [random_image(w, h, seed) for seed, (w, h) in enumerate([(56, 56), (90, 40), (130, 200), (28, 300)])]
-    got = adapter.forward(adapter.preprocess("image", images))
+    got = adapter.forward(adapter.processor.preprocess("image", images))
     assert rel_diff(got, qwen_reference(model, processor, images)) <= 1e-5
-    layouts = [adapter.item_layout("image", image) for image in images]
+    layouts = [adapter.processor.item_layout("image", image) for image in images]
     assert sum(layout.tokens for layout in layouts) == got.shape[0]
 
 
@@ -96,7 +96,7 @@ def test_qwen25_vl_video_frames_match_get_video_features(qwen_ckpt):
     model, _, folder = qwen_ckpt
     adapter = load_checkpoint(folder, CPU, F32)
     frames = [random_image(70, 50, seed) for seed in range(5)]
-    batch = adapter.preprocess("video", [frames])
+    batch = adapter.processor.preprocess("video", [frames])
     (grid_t, grid_h, grid_w), = batch.inputs["grid_thw"].tolist()
     assert grid_t == 3, "5 frames with temporal patch 2 make 3 temporal patches (last frame repeated)"
     got = adapter.forward(batch)
@@ -104,7 +104,7 @@ def test_qwen25_vl_video_frames_match_get_video_features(qwen_ckpt):
         want = model.model.get_video_features(pixel_values_videos=batch.inputs["pixel_values"],
                                               video_grid_thw=batch.inputs["grid_thw"]).pooler_output
     assert rel_diff(got, torch.cat(want)) <= 1e-5
-    assert adapter.item_layout("video", frames).tokens == got.shape[0] == grid_t * grid_h * grid_w // 4
+    assert adapter.processor.item_layout("video", frames).tokens == got.shape[0] == grid_t * grid_h * grid_w // 4
 
 
 def test_two_identical_frames_encode_like_the_image(qwen_ckpt):
@@ -117,7 +117,7 @@ def test_two_identical_frames_encode_like_the_image(qwen_ckpt):
     finally:
         (folder / "video_preprocessor_config.json").unlink()
     image = random_image(84, 112, 3)
-    video_rows = adapter.forward(adapter.preprocess("video", [[image, image]]))
+    video_rows = adapter.forward(adapter.processor.preprocess("video", [[image, image]]))
     # 1e-5: our patch embedding is a matrix multiply, transformers' a Conv3d (summation order differs).
     assert rel_diff(video_rows, qwen_reference(model, processor, [image])) <= 1e-5
 
@@ -127,11 +127,11 @@ def test_internvl_folder_matches_get_image_features_in_tile_space(internvl_ckpt)
     adapter = load_checkpoint(folder, CPU, F32)
     assert adapter.info.family == "internvl"
     images = [random_image(w, h, seed) for seed, (w, h) in enumerate([(40, 40), (160, 50), (90, 90), (30, 120)])]
-    batch = adapter.preprocess("image", images)
+    batch = adapter.processor.preprocess("image", images)
     tiles = [layout.grid_thw[0] for layout in batch.layouts]
     assert tiles[0] == 1 and max(tiles) > 2, tiles
     assert all(layout.tokens == layout.grid_thw[0] * 9 for layout in batch.layouts)  # 6x6 patches, shuffled 0.5
-    assert [adapter.item_layout("image", image) for image in images] == batch.layouts
+    assert [adapter.processor.item_layout("image", image) for image in images] == batch.layouts
     got = adapter.forward(batch)
     assert rel_diff(got, internvl_reference(model, processor, images)) <= 1e-5
 
@@ -150,24 +150,24 @@ def test_internvl_tiles_as_the_full_processor_does_whatever_the_image_processor_
     config["crop_to_patches"] = False
     config_path.write_text(json.dumps(config))
     adapter = load_checkpoint(untiled, CPU, F32)
-    assert adapter.image_processor.crop_to_patches is False
+    assert adapter.processor.image_processor.crop_to_patches is False
     wide = random_image(160, 50, 1)
-    expected = adapter.image_processor.get_number_of_image_patches(50, 160, {"crop_to_patches": True})
-    assert expected > 1 and adapter.item_layout("image", wide).grid_thw[0] == expected
-    assert adapter.preprocess("image", [wide]).layouts == [adapter.item_layout("image", wide)]
+    expected = adapter.processor.image_processor.get_number_of_image_patches(50, 160, {"crop_to_patches": True})
+    assert expected > 1 and adapter.processor.item_layout("image", wide).grid_thw[0] == expected
+    assert adapter.processor.preprocess("image", [wide]).layouts == [adapter.processor.item_layout("image", wide)]
 
 
 def test_qwen2_audio_folder_matches_the_models_own_forward(audio_ckpt):
     model, extractor, folder = audio_ckpt
     adapter = load_checkpoint(folder, CPU, F32)
-    assert adapter.info.family == "qwen2_audio" and adapter.sampling_rate == 8000
+    assert adapter.info.family == "qwen2_audio" and adapter.processor.sampling_rate == 8000
     rng = np.random.default_rng(0)
     waves = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (8000, 2500, 47000)]
-    batch = adapter.preprocess("audio", waves)
-    assert [adapter.item_layout("audio", wave) for wave in waves] == batch.layouts
+    batch = adapter.processor.preprocess("audio", waves)
+    assert [adapter.processor.item_layout("audio", wave) for wave in waves] == batch.layouts
     got = adapter.forward(batch)
     assert rel_diff(got, audio_reference(model, extractor, waves)) <= 1e-5
-    alone = torch.cat([adapter.forward(adapter.preprocess("audio", [wave])) for wave in waves])
+    alone = torch.cat([adapter.forward(adapter.processor.preprocess("audio", [wave])) for wave in waves])
     assert rel_diff(alone, got) <= 1e-6, "a clip must not depend on its batch neighbours"
 
 
@@ -183,7 +183,7 @@ def test_sharded_checkpoint_loads_without_the_language_model_shards(tmp_path):
         (folder / name).unlink()  # the loader must never need them
     adapter = load_checkpoint(folder, CPU, F32)
     images = [random_image(60, 60, 1)]
-    assert rel_diff(adapter.forward(adapter.preprocess("image", images)),
+    assert rel_diff(adapter.forward(adapter.processor.preprocess("image", images)),
                     qwen_reference(model, processor, images)) <= 1e-5
 
 
@@ -241,7 +241,7 @@ def test_qwen_folder_served_fused_images_and_a_video(qwen_ckpt):
             "mm_items": [{"frames": [png_b64(f) for f in frames]}]}).json()
         assert video["items"][0]["grid_thw"][0] == 2 and video["batch_size"] == 1
         adapter = load_checkpoint(folder, CPU, F32)
-        assert rel_diff(embedding_of(video), adapter.forward(adapter.preprocess("video", [frames]))) <= 1e-5
+        assert rel_diff(embedding_of(video), adapter.forward(adapter.processor.preprocess("video", [frames]))) <= 1e-5
 
 
 def test_internvl_folder_served_fuses_requests_with_different_tile_counts(internvl_ckpt):

@@ -55,8 +55,8 @@ def test_fused_items_equal_get_image_features_alone(checkpoint, processor, kwarg
     model, folder = checkpoint
     adapter = gemma3_from_folder(folder, CPU, F32, processor_kwargs=kwargs)
     items = images()
-    batch = adapter.preprocess("image", items)
-    assert batch.layouts == [adapter.item_layout("image", image) for image in items]
+    batch = adapter.processor.preprocess("image", items)
+    assert batch.layouts == [adapter.processor.item_layout("image", image) for image in items]
     fused = adapter.forward(batch)
     alone = [reference_rows(model, processor, image, **kwargs) for image in items]
     assert fused.shape[0] == sum(rows.shape[0] for rows in alone) == batch.total_tokens
@@ -72,8 +72,8 @@ def test_rows_fill_exactly_the_image_tokens_the_full_processor_inserts(checkpoin
     for image in images():
         inputs = processor(text=["describe <start_of_image> image"], images=[[image]], return_tensors="pt", **kwargs)
         placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
-        layout = adapter.item_layout("image", image)
-        rows = adapter.forward(adapter.preprocess("image", [image]))
+        layout = adapter.processor.item_layout("image", image)
+        rows = adapter.forward(adapter.processor.preprocess("image", [image]))
         assert layout.tokens == placeholders == rows.shape[0]
         assert rel_diff(rows, spliced_rows(model, inputs, model.config.image_token_id)) <= 1e-5
 
@@ -87,7 +87,7 @@ def test_pan_and_scan_in_the_image_processor_config_alone_is_not_what_the_full_p
     wide = random_image(130, 40, 0)
     inputs = processor(text=["<start_of_image>"], images=[[wide]], return_tensors="pt")
     assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == 16
-    assert FAMILY.load(folder, CPU, F32).item_layout("image", wide).tokens == 16
+    assert FAMILY.load(folder, CPU, F32).processor.item_layout("image", wide).tokens == 16
 
 
 def test_published_key_layout_in_shards_loads_the_same_rows_without_the_language_model(checkpoint, tmp_path):
@@ -118,7 +118,7 @@ def test_published_key_layout_in_shards_loads_the_same_rows_without_the_language
     assert any(k.startswith("vision_tower.vision_model.encoder.") for k in weight_map)
     assert not (legacy / "language.safetensors").exists()
     image = random_image(70, 50, 5)
-    rows = [adapter.forward(adapter.preprocess("image", [image]))
+    rows = [adapter.forward(adapter.processor.preprocess("image", [image]))
             for adapter in (FAMILY.load(legacy, CPU, F32), FAMILY.load(folder, CPU, F32))]
     assert torch.equal(*rows)
 
@@ -126,8 +126,8 @@ def test_published_key_layout_in_shards_loads_the_same_rows_without_the_language
 def test_per_item_inputs_concatenate_into_one_call(checkpoint):
     adapter = FAMILY.load(checkpoint[1], CPU, F32)
     items = images()
-    together = adapter.preprocess("image", items)
-    alone = [adapter.preprocess("image", [image]) for image in items]
+    together = adapter.processor.preprocess("image", items)
+    alone = [adapter.processor.preprocess("image", [image]) for image in items]
     assert torch.equal(torch.cat([b.inputs["pixel_values"] for b in alone]), together.inputs["pixel_values"])
 
 

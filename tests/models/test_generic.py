@@ -47,8 +47,8 @@ def test_an_undeclared_model_type_falls_back_to_the_generic_family(checkpoint):
 def test_fused_items_equal_get_image_features_alone(checkpoint):
     model, _, processor, adapter = checkpoint
     items = images()
-    batch = adapter.preprocess("image", items)
-    assert batch.layouts == [adapter.item_layout("image", image) for image in items]
+    batch = adapter.processor.preprocess("image", items)
+    assert batch.layouts == [adapter.processor.item_layout("image", image) for image in items]
     calls = []
     handle = adapter.model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
@@ -71,17 +71,17 @@ def test_rows_fill_exactly_the_image_tokens_the_full_processor_inserts(checkpoin
     for image in images():
         inputs = processor(text=["describe <image> image"], images=[image], return_tensors="pt")
         placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
-        rows = adapter.forward(adapter.preprocess("image", [image]))
-        assert adapter.item_layout("image", image).tokens == placeholders == rows.shape[0]
+        rows = adapter.forward(adapter.processor.preprocess("image", [image]))
+        assert adapter.processor.item_layout("image", image).tokens == placeholders == rows.shape[0]
         assert rel_diff(rows, spliced_rows(model, inputs, model.config.image_token_id)) <= 1e-5
 
 
 def test_collate_joins_per_item_batches_in_order(checkpoint):
     adapter = checkpoint[3]
     items = images()
-    collated = adapter.collate([adapter.preprocess("image", [image]) for image in items])
-    assert collated.layouts == adapter.preprocess("image", items).layouts
-    assert torch.equal(adapter.forward(collated), adapter.forward(adapter.preprocess("image", items)))
+    collated = adapter.processor.collate([adapter.processor.preprocess("image", [image]) for image in items])
+    assert collated.layouts == adapter.processor.preprocess("image", items).layouts
+    assert torch.equal(adapter.forward(collated), adapter.forward(adapter.processor.preprocess("image", items)))
 
 
 def test_a_processor_that_miscounts_its_own_tokens_is_refused(checkpoint, tmp_path):
@@ -152,14 +152,14 @@ def test_audio_is_served_by_the_generic_path_framing_excluded(tmp_path):
     adapter = generic_from_folder(folder, CPU, F32)
     assert adapter.info.modalities == ("audio",) and adapter.info.placeholder_tokens == {"audio": ["<|AUDIO|>"]}
     waves = [(np.random.default_rng(n).standard_normal(n) * 0.1).astype(np.float32) for n in (8000, 21000)]
-    fused = adapter.forward(adapter.preprocess("audio", waves))
+    fused = adapter.forward(adapter.processor.preprocess("audio", waves))
     expected = []
     for wave in waves:
         inputs = full(text=["<|audio_bos|><|AUDIO|><|audio_eos|>"], audio=[wave], sampling_rate=8000,
                       return_tensors="pt")
         expected.append(spliced_rows(model, inputs, model.config.audio_token_id))
-        assert adapter.item_layout("audio", wave).tokens == expected[-1].shape[0]
-    assert [layout.tokens for layout in adapter.preprocess("audio", waves).layouts] == [25, 66]
+        assert adapter.processor.item_layout("audio", wave).tokens == expected[-1].shape[0]
+    assert [layout.tokens for layout in adapter.processor.preprocess("audio", waves).layouts] == [25, 66]
     assert rel_diff(fused, torch.cat(expected)) <= 1e-5
 
 
@@ -177,7 +177,7 @@ def test_a_server_on_a_generic_folder_answers_with_the_adapters_rows_through_a_p
 
     _, folder, _, adapter = checkpoint
     items = images()
-    want = [adapter.forward(adapter.preprocess("image", [image])) for image in items]
+    want = [adapter.forward(adapter.processor.preprocess("image", [image])) for image in items]
 
     def png_b64(image) -> str:
         buffer = io.BytesIO()
@@ -207,7 +207,7 @@ def test_video_is_served_by_the_generic_path_with_the_frames_as_sampled(tmp_path
     import numpy as np
     from transformers import AutoProcessor, LlavaOnevisionVideoProcessor
 
-    from encode_server.models.inputs.video_clip import VideoClip
+    from processors.video_clip import VideoClip
 
     pytest.importorskip("torchvision", reason="LLaVA-OneVision's video processor needs torchvision")
     model, folder = llava_onevision_checkpoint(tmp_path / "model")
@@ -216,14 +216,14 @@ def test_video_is_served_by_the_generic_path_with_the_frames_as_sampled(tmp_path
     assert adapter.info.modalities == ("image", "video")
     clips = [VideoClip([random_image(40, 30, 10 * n + i) for i in range(frames)], 2.0, range(0, 2 * frames, 2))
              for n, frames in enumerate((4, 6))]
-    fused = adapter.forward(adapter.preprocess("video", clips))
+    fused = adapter.forward(adapter.processor.preprocess("video", clips))
     full = AutoProcessor.from_pretrained(folder)
     expected = []
     for clip in clips:
         inputs = full(text=["<video>"], videos=[[np.asarray(frame) for frame in clip]], do_sample_frames=False,
                       return_tensors="pt")
         expected.append(spliced_rows(model, inputs, model.config.video_token_id))
-        assert adapter.item_layout("video", clip).tokens == expected[-1].shape[0]
+        assert adapter.processor.item_layout("video", clip).tokens == expected[-1].shape[0]
     assert rel_diff(fused, torch.cat(expected)) <= 1e-5
 
 
@@ -235,22 +235,22 @@ def test_a_model_whose_features_are_not_deterministic_is_refused(checkpoint):
         lambda module, args, output: output + 0.01 * torch.randn_like(output))
     try:
         with pytest.raises(CheckpointError, match="not deterministic"):
-            adapter.filled_tokens("image", adapter.prompts["image"])
+            adapter.filled_tokens("image", adapter.processor.prompts["image"])
     finally:
         handle.remove()
-    assert adapter.filled_tokens("image", adapter.prompts["image"]).tolist() == [4]
+    assert adapter.filled_tokens("image", adapter.processor.prompts["image"]).tolist() == [4]
 
 
 def test_features_added_to_the_text_embedding_are_refused(checkpoint):
     """A model that adds its features to the placeholder's text embedding (instead of replacing it) cannot be
     served without the language model's embedding table."""
     adapter = checkpoint[3]
-    image_token = adapter.filled["image"]
+    image_token = adapter.processor.filled["image"]
     handle = adapter.model.model.multi_modal_projector.register_forward_hook(
         lambda module, args, output: output + adapter.embedding(image_token).to(output.dtype))
     try:
         with pytest.raises(CheckpointError, match="mix the model's features with the text embedding"):
-            adapter.filled_tokens("image", adapter.prompts["image"])
+            adapter.filled_tokens("image", adapter.processor.prompts["image"])
     finally:
         handle.remove()
 

@@ -110,10 +110,11 @@ def test_hunyuan_vl_is_served_with_its_framed_placeholder_exactly(hunyuan_vl):
     want = zoo_reference(folder, manifest, "image", images)
     adapter = load_checkpoint(folder, CPU, F32)
     assert isinstance(adapter, GenericAdapter)
-    assert adapter.prompts["image"] == "<|image_start|><|image|><|image_end|>"
+    assert adapter.processor.prompts["image"] == "<|image_start|><|image|><|image_end|>"
     assert adapter.info.placeholder_tokens == {"image": ["<|image|>"]}
-    fused = adapter.forward(adapter.preprocess("image", images))
-    assert [adapter.item_layout("image", image).tokens for image in images] == [rows.shape[0] for rows in want]
+    fused = adapter.forward(adapter.processor.preprocess("image", images))
+    assert [adapter.processor.item_layout("image",
+                                          image).tokens for image in images] == [rows.shape[0] for rows in want]
     assert rel_diff(fused, torch.cat(want)) <= 1e-5
 
 
@@ -122,8 +123,8 @@ def test_a_chat_template_comes_first_then_the_bare_and_the_framed_placeholder(hu
     an image turn; the framed form comes after the bare token, so processors that take a bare one keep it."""
     from transformers import AutoProcessor
 
-    from encode_server.models.generic.chat_request import CHAT_REQUEST
     from encode_server.models.generic.probes import placeholder_prompts
+    from processors.chat_request import CHAT_REQUEST
 
     processor = AutoProcessor.from_pretrained(hunyuan_vl[0])
     framed = "<|image_start|><|image|><|image_end|>"

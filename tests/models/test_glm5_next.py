@@ -63,7 +63,8 @@ def test_fused_videos_equal_get_video_features_alone(checkpoint, adapter, proces
 
     clips = sample_clips()
     check_fused(adapter, "video", clips, reference)
-    assert [adapter.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 2, 3, 4]  # frames / 2, up
+    assert [adapter.processor.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 2, 3,
+                                                                                            4]  # frames / 2, up
 
 
 @pytest.mark.parametrize("modality", ["image", "video"])

@@ -82,7 +82,7 @@ def test_only_the_encoders_shards_are_read(checkpoint, tmp_path):
         (folder / shard).unlink()
     image = sample_images()[2]
     rows = [FAMILY.load(path, CPU, F32) for path in (folder, checkpoint[1])]
-    assert torch.equal(*[adapter.forward(adapter.preprocess("image", [image])) for adapter in rows])
+    assert torch.equal(*[adapter.forward(adapter.processor.preprocess("image", [image])) for adapter in rows])
 
 
 def test_the_layout_transformers_holds_in_memory_loads_too(checkpoint, adapter, tmp_path):
@@ -99,7 +99,8 @@ def test_the_layout_transformers_holds_in_memory_loads_too(checkpoint, adapter, 
                if key.startswith(("model.vision_tower.", "model.mm_projector."))},  # the encoder's tensors only
               str(plain / "model.safetensors"), metadata={"format": "pt"})
     image = sample_images()[3]
-    rows = [loaded.forward(loaded.preprocess("image", [image])) for loaded in (FAMILY.load(plain, CPU, F32), adapter)]
+    rows = [loaded.forward(loaded.processor.preprocess("image", [image])) for loaded in (FAMILY.load(plain, CPU,
+                                                                                                     F32), adapter)]
     assert torch.equal(*rows)
 
 def test_fused_images_equal_get_image_features_alone(checkpoint, adapter, processor):
@@ -118,7 +119,7 @@ def test_fused_videos_equal_the_model_on_each_clip_alone(checkpoint, adapter, pr
     clips = sample_clips()
     check_fused(adapter, "video", clips, lambda frames: video_reference(model, processor, frames))
     # 1, 3, 5 and 8 frames: 1, 1, 2 and 2 chunks of up to 4 frames, the 5-frame clip's last one a single frame
-    assert [adapter.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 1, 2, 2]
+    assert [adapter.processor.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 1, 2, 2]
 
 
 def test_transformers_get_video_features_miscounts_pooled_chunks_or_gives_the_adapters_rows(checkpoint, adapter,
@@ -136,7 +137,7 @@ def test_transformers_get_video_features_miscounts_pooled_chunks_or_gives_the_ad
     except RuntimeError as exc:
         assert "split_with_sizes" in str(exc) and hasattr(model.model.vision_tower, "temporal_patch_merger")
         return
-    ours = adapter.forward(adapter.preprocess("video", [clip]))
+    ours = adapter.forward(adapter.processor.preprocess("video", [clip]))
     torch.testing.assert_close(ours, torch.cat(features.pooler_output), rtol=1e-5, atol=1e-5)
 
 

@@ -40,8 +40,8 @@ def test_registry_routes_llava_onevision_here():
 def test_fused_items_equal_get_image_features_alone(checkpoint):
     model, _, processor, adapter = checkpoint
     items = images()
-    batch = adapter.preprocess("image", items)
-    assert batch.layouts == [adapter.item_layout("image", image) for image in items]
+    batch = adapter.processor.preprocess("image", items)
+    assert batch.layouts == [adapter.processor.item_layout("image", image) for image in items]
     fused = adapter.forward(batch)
     alone = []
     for image in items:
@@ -60,8 +60,8 @@ def test_rows_fill_exactly_the_image_tokens_the_full_processor_inserts(checkpoin
     for image in images():
         inputs = processor(text=["describe <image>"], images=[image], return_tensors="pt")
         placeholders = int((inputs["input_ids"] == model.config.image_token_id).sum())
-        rows = adapter.forward(adapter.preprocess("image", [image]))
-        assert adapter.item_layout("image", image).tokens == placeholders == rows.shape[0]
+        rows = adapter.forward(adapter.processor.preprocess("image", [image]))
+        assert adapter.processor.item_layout("image", image).tokens == placeholders == rows.shape[0]
         assert placeholders == processor._get_num_multimodal_tokens(image_sizes=[image.size[::-1]])[
             "num_image_tokens"][0]
         assert rel_diff(rows, spliced_rows(model, inputs, model.config.image_token_id)) <= 1e-5
@@ -70,8 +70,8 @@ def test_rows_fill_exactly_the_image_tokens_the_full_processor_inserts(checkpoin
 def test_per_item_inputs_concatenate_into_one_call(checkpoint):
     adapter = checkpoint[3]
     items = images()
-    together = adapter.preprocess("image", items)
-    alone = [adapter.preprocess("image", [image]) for image in items]
+    together = adapter.processor.preprocess("image", items)
+    alone = [adapter.processor.preprocess("image", [image]) for image in items]
     for key in together.inputs:
         assert torch.equal(torch.cat([batch.inputs[key] for batch in alone]), together.inputs[key]), key
     assert together.inputs["pixel_values"].shape[0] == sum(layout.grid_thw[0] for layout in together.layouts)
@@ -86,8 +86,8 @@ def test_a_folder_without_num_image_tokens_counts_as_the_tower_says(checkpoint, 
     settings = json.loads((silent / "processor_config.json").read_text())
     (silent / "processor_config.json").write_text(json.dumps({**settings, "num_image_tokens": None}))
     derived = FAMILY.load(silent, CPU, F32)
-    assert [derived.item_layout("image", image) for image in images()] == \
-        [adapter.item_layout("image", image) for image in images()]
+    assert [derived.processor.item_layout("image", image) for image in images()] == \
+        [adapter.processor.item_layout("image", image) for image in images()]
 
 
 def test_processor_settings_that_disagree_with_the_model_are_refused(checkpoint, tmp_path):

@@ -80,8 +80,8 @@ def test_fused_videos_equal_get_video_features_alone(checkpoint, adapter, proces
 
     clips = sample_clips()
     check_fused(adapter, "video", clips, reference)
-    assert [adapter.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 2, 3, 4]
-    segments = adapter.preprocess("video", clips).inputs["grid_thw"][:, 0].tolist()
+    assert [adapter.processor.item_layout("video", clip).grid_thw[0] for clip in clips] == [1, 2, 3, 4]
+    segments = adapter.processor.preprocess("video", clips).inputs["grid_thw"][:, 0].tolist()
     assert segments == [1, 2, 2, 1, 2, 2]  # vision_segment_max_frames = 2 temporal patches
 
 
@@ -99,6 +99,6 @@ def test_aligned_frames_give_the_full_processors_pixels(adapter, processor):
     for frames in aligned_clips():
         theirs = processor(text=[PROMPTS["minimax_m3_vl"]["video"]], videos=[frames], do_sample_frames=False,
                            return_tensors="pt")
-        ours = adapter.preprocess("video", [frames]).inputs
+        ours = adapter.processor.preprocess("video", [frames]).inputs
         assert torch.equal(ours["pixel_values"], theirs["pixel_values_videos"])
         assert torch.equal(ours["grid_thw"], theirs["video_grid_thw"])

@@ -39,13 +39,13 @@ def test_registry_routes_mistral3_here():
 def test_fused_padded_items_equal_get_image_features_alone(checkpoint):
     model, _, adapter = checkpoint
     items = images()
-    batch = adapter.preprocess("image", items)
+    batch = adapter.processor.preprocess("image", items)
     assert batch.inputs["pixel_values"].shape[-2:] == (84, 84), "the batch is padded to its largest image"
-    assert batch.layouts == [adapter.item_layout("image", image) for image in items]
+    assert batch.layouts == [adapter.processor.item_layout("image", image) for image in items]
     fused = adapter.forward(batch)
     alone = []
     for image in items:
-        one = adapter.preprocess("image", [image])
+        one = adapter.processor.preprocess("image", [image])
         with torch.no_grad():
             out = model.model.get_image_features(pixel_values=one.inputs["pixel_values"],
                                                  image_sizes=one.inputs["image_sizes"]).pooler_output
@@ -57,8 +57,8 @@ def test_fused_padded_items_equal_get_image_features_alone(checkpoint):
 def test_collate_of_per_item_inputs_equals_one_processor_call(checkpoint):
     adapter = checkpoint[2]
     items = images()
-    together = adapter.preprocess("image", items)
-    collated = adapter.collate([adapter.preprocess("image", [image]) for image in items])
+    together = adapter.processor.preprocess("image", items)
+    collated = adapter.processor.collate([adapter.processor.preprocess("image", [image]) for image in items])
     assert collated.layouts == together.layouts
     for key in together.inputs:
         assert torch.equal(collated.inputs[key], together.inputs[key]), key
@@ -71,12 +71,12 @@ def test_one_row_per_img_token_of_the_full_processor_and_spliced_there(checkpoin
     image_token = model.config.image_token_id
     break_token, end_token = (adapter_vocab(folder)[t] for t in ("[IMG_BREAK]", "[IMG_END]"))
     for image, inputs in zip(items, pixtral_processor_outputs(folder, items, tmp_path / "pixtral")):
-        layout = adapter.item_layout("image", image)
+        layout = adapter.processor.item_layout("image", image)
         _, rows_h, cols_w = layout.grid_thw
         ids = inputs["input_ids"][0]
         assert int((ids == image_token).sum()) == layout.tokens == rows_h * cols_w
         assert int((ids == break_token).sum()) == rows_h - 1 and int((ids == end_token).sum()) == 1
-        rows = adapter.forward(adapter.preprocess("image", [image]))
+        rows = adapter.forward(adapter.processor.preprocess("image", [image]))
         assert rows.shape[0] == layout.tokens
         assert rel_diff(rows, spliced_rows(model, inputs, image_token)) <= 1e-5
 
@@ -87,7 +87,7 @@ def adapter_vocab(folder) -> dict[str, int]:
 
 def test_forward_groups_bound_the_attention_mask_without_changing_rows(checkpoint, monkeypatch):
     adapter = checkpoint[2]
-    batch = adapter.preprocess("image", images())
+    batch = adapter.processor.preprocess("image", images())
     whole = adapter.forward(batch)
     monkeypatch.setattr(mistral3, "MAX_PATCHES_PER_FORWARD", 100)  # 144 patches for the largest image alone
     assert len(adapter.groups(batch.inputs["image_sizes"].tolist())) > 2
@@ -112,7 +112,7 @@ def test_bfloat16_rows_are_bit_identical_to_from_pretrained_in_bfloat16(checkpoi
     folder = checkpoint[1]
     adapter = FAMILY.load(folder, CPU, torch.bfloat16)
     reference = Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    batch = adapter.preprocess("image", images()[:3])
+    batch = adapter.processor.preprocess("image", images()[:3])
     with torch.no_grad():
         want = reference.model.get_image_features(pixel_values=batch.inputs["pixel_values"].to(torch.bfloat16),
                                                   image_sizes=batch.inputs["image_sizes"]).pooler_output

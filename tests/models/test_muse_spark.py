@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from encode_server.models.base import ItemError
 from encode_server.models.families.muse_spark import FAMILY
 from encode_server.models.loading.checkpoint import CheckpointError
 from encode_server.models.registry import family_for_model_type, load_checkpoint
+from processors.base import ItemError
 from tests.support.checkpoints.muse_spark import MUSE_SAMPLING_RATE, muse_spark_checkpoint
 from tests.support.family_fixtures import (
     check_fused_equals_alone,
@@ -57,7 +57,7 @@ def clips():
 def test_the_registry_serves_muse_spark_here(adapter):
     assert family_for_model_type("muse_spark") is FAMILY and FAMILY.shard is not None
     assert adapter.info.family == "muse_spark" and adapter.info.modalities == ("image", "video", "audio")
-    assert adapter.sampling_rate == MUSE_SAMPLING_RATE
+    assert adapter.processor.sampling_rate == MUSE_SAMPLING_RATE
 
 
 def test_fused_images_equal_get_image_features_alone(checkpoint, adapter, processor):
@@ -100,7 +100,7 @@ def test_fused_audio_equals_get_audio_features_alone(checkpoint, adapter, proces
     assert [layout.tokens for layout in batch.layouts] == [7, 17, 1]
     assert [layout.receiver_grid for layout in batch.layouts] == [7, 17, 1]
     # The preprocessing pool prepares each clip alone and collates them: the same padded batch.
-    collated = adapter.collate([adapter.preprocess("audio", [wave]) for wave in clips()])
+    collated = adapter.processor.collate([adapter.processor.preprocess("audio", [wave]) for wave in clips()])
     assert all(torch.equal(collated.inputs[key], batch.inputs[key]) for key in batch.inputs)
 
 
@@ -116,12 +116,13 @@ def test_rows_fill_exactly_the_placeholders_the_full_processor_inserts(checkpoin
                                       "video_metadata": [metadata]})
     inputs.pop("video_metadata", None)
     config = model.config
-    layouts = {"image": adapter.item_layout("image", image), "video": adapter.item_layout("video", frames),
-               "audio": adapter.item_layout("audio", wave)}
+    layouts = {"image": adapter.processor.item_layout("image", image),
+               "video": adapter.processor.item_layout("video", frames),
+               "audio": adapter.processor.item_layout("audio", wave)}
     token_ids = {"image": config.image_token_id, "video": config.video_token_id, "audio": config.audio_token_id}
     items = {"image": image, "video": frames, "audio": wave}
     for modality, token_id in token_ids.items():
-        rows = adapter.forward(adapter.preprocess(modality, [items[modality]]))
+        rows = adapter.forward(adapter.processor.preprocess(modality, [items[modality]]))
         placeholders = int((inputs["input_ids"] == token_id).sum())
         assert layouts[modality].tokens == placeholders == rows.shape[0]
         assert rel_diff(rows, spliced_rows(model, inputs, token_id)) <= 1e-5
@@ -150,7 +151,7 @@ def test_rows_fill_exactly_the_placeholders_the_full_processor_inserts(checkpoin
 ])
 def test_items_the_model_cannot_take_are_refused_by_name(adapter, modality, item, message):
     with pytest.raises(ItemError, match=message):
-        adapter.item_layout(modality, item)
+        adapter.processor.item_layout(modality, item)
 
 
 def test_a_processor_that_disagrees_with_the_tower_is_refused(checkpoint, tmp_path):

@@ -39,15 +39,15 @@ def test_rows_equal_the_recorded_full_processor_counts(tmp_path, family, build):
     assert adapter.info.family == family
     images = [random_image(w, h, i) for i, (w, h, _) in enumerate(reference["images"])]
     counts = [count for *_, count in reference["images"]]
-    assert [adapter.item_layout("image", image).tokens for image in images] == counts
-    batch = adapter.preprocess("image", images)
+    assert [adapter.processor.item_layout("image", image).tokens for image in images] == counts
+    batch = adapter.processor.preprocess("image", images)
     assert [layout.tokens for layout in batch.layouts] == counts
     assert adapter.forward(batch).shape[0] == sum(counts)
     assert len(set(counts)) > 2, "the items should differ in size"
     for frames, width, height, count in reference["videos"]:
         clip = [random_image(width, height, f) for f in range(frames)]
-        assert adapter.item_layout("video", clip).tokens == count, (frames, width, height)
-        batch = adapter.preprocess("video", [clip])
+        assert adapter.processor.item_layout("video", clip).tokens == count, (frames, width, height)
+        batch = adapter.processor.preprocess("video", [clip])
         assert batch.layouts[0].tokens == count and adapter.forward(batch).shape[0] == count
 
 
@@ -66,8 +66,8 @@ def test_qwen2_audio_rows_equal_the_audio_tokens_its_processor_inserts(tmp_path)
         out = processor(text="describe <|audio_bos|><|AUDIO|><|audio_eos|> please", audio=[wave],
                         sampling_rate=extractor.sampling_rate, return_tensors="pt")
         counts.append(int((out["input_ids"] == processor.audio_token_id).sum()))
-    assert [adapter.item_layout("audio", wave).tokens for wave in waves] == counts
-    batch = adapter.preprocess("audio", waves)
+    assert [adapter.processor.item_layout("audio", wave).tokens for wave in waves] == counts
+    batch = adapter.processor.preprocess("audio", waves)
     assert [layout.tokens for layout in batch.layouts] == counts
     assert adapter.forward(batch).shape[0] == sum(counts)
     assert len(set(counts)) == len(counts)

@@ -50,12 +50,12 @@ def test_images_alone_and_fused_match_get_image_features(ckpt, adapter):
     images = [random_image(w, h, seed) for seed, (w, h) in enumerate([(56, 56), (90, 40), (130, 200), (28, 300)])]
     want = [image_features(model, processor, image) for image in images]
     for subset in ([0, 1, 2, 3], [2, 0], [3]):
-        batch = adapter.preprocess("image", [images[i] for i in subset])
+        batch = adapter.processor.preprocess("image", [images[i] for i in subset])
         assert [layout.tokens for layout in batch.layouts] == [want[i].shape[0] for i in subset]
         rows = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
         for index, got in zip(subset, rows):
             assert rel_diff(got, want[index]) <= 1e-5, (subset, index)
-    assert [adapter.item_layout("image", image).tokens for image in images] == [w.shape[0] for w in want]
+    assert [adapter.processor.item_layout("image", image).tokens for image in images] == [w.shape[0] for w in want]
 
 
 def test_videos_alone_and_fused_match_get_video_features(ckpt, adapter):
@@ -64,17 +64,17 @@ def test_videos_alone_and_fused_match_get_video_features(ckpt, adapter):
     clips[1] = [random_image(100, 60, 50 + f) for f in range(2)]
     want = []
     for clip in clips:
-        alone = adapter.preprocess("video", [clip])
+        alone = adapter.processor.preprocess("video", [clip])
         with torch.no_grad():
             out = model.model.get_video_features(pixel_values_videos=alone.inputs["pixel_values"],
                                                  video_grid_thw=alone.inputs["grid_thw"])
         want.append(torch.cat(out.pooler_output))
-    batch = adapter.preprocess("video", clips)
+    batch = adapter.processor.preprocess("video", clips)
     assert [layout.grid_thw[0] for layout in batch.layouts] == [3, 1, 2]
     pieces = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
     for got, expected, clip in zip(pieces, want, clips):
         assert rel_diff(got, expected) <= 1e-5
-        assert adapter.item_layout("video", clip).tokens == expected.shape[0]
+        assert adapter.processor.item_layout("video", clip).tokens == expected.shape[0]
 
 
 def test_rows_equal_the_placeholders_the_full_processor_inserts(ckpt, tmp_path):
@@ -85,17 +85,17 @@ def test_rows_equal_the_placeholders_the_full_processor_inserts(ckpt, tmp_path):
     reference = install_reference_processor(folder, "qwen2_vl")
     assert list(reference["files"]) == ["processor_config.json"]  # nested image and video processors
     adapter = load_checkpoint(folder, CPU, F32)
-    assert adapter.video.processor.cap_pixels_per_frame
+    assert adapter.processor.video.processor.cap_pixels_per_frame
     images = [random_image(w, h, i) for i, (w, h, _) in enumerate(reference["images"])]
     counts = [count for *_, count in reference["images"]]
-    assert [adapter.item_layout("image", image).tokens for image in images] == counts
-    batch = adapter.preprocess("image", images)
+    assert [adapter.processor.item_layout("image", image).tokens for image in images] == counts
+    batch = adapter.processor.preprocess("image", images)
     assert [layout.tokens for layout in batch.layouts] == counts
     assert adapter.forward(batch).shape[0] == sum(counts)
     for frames, width, height, count in reference["videos"]:
         clip = [random_image(width, height, f) for f in range(frames)]
-        assert adapter.item_layout("video", clip).tokens == count, (frames, width, height)
-        assert adapter.preprocess("video", [clip]).layouts[0].tokens == count
+        assert adapter.processor.item_layout("video", clip).tokens == count, (frames, width, height)
+        assert adapter.processor.preprocess("video", [clip]).layouts[0].tokens == count
 
 
 def png_b64(image: Image.Image) -> str:
@@ -106,7 +106,7 @@ def png_b64(image: Image.Image) -> str:
 
 def test_tensor_parallel_over_two_ranks_equals_one(ckpt, adapter):
     images = [random_image(40 + 30 * i, 90 - 10 * i, 70 + i) for i in range(4)]
-    want = [adapter.forward(adapter.preprocess("image", [image])) for image in images]
+    want = [adapter.forward(adapter.processor.preprocess("image", [image])) for image in images]
 
     async def burst(url: str):
         async with httpx.AsyncClient(timeout=120) as client:

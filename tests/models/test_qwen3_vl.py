@@ -78,15 +78,15 @@ def test_video_pixels_equal_transformers_video_processor(adapters, layout):
 
 
 def test_one_frame_videos_and_wrong_items_are_item_errors(adapters):
-    from encode_server.models.base import ItemError
+    from processors.base import ItemError
 
     adapter = adapters["qwen3_vl", "nested"]
     with pytest.raises(ItemError, match="1 frames"):
-        adapter.item_layout("video", sample_clips()[0][:1])
+        adapter.processor.item_layout("video", sample_clips()[0][:1])
     with pytest.raises(ItemError):
-        adapter.item_layout("video", [])
+        adapter.processor.item_layout("video", [])
     with pytest.raises(ItemError):
-        adapter.item_layout("image", "not an image")
+        adapter.processor.item_layout("image", "not an image")
 
 
 def test_a_video_processor_that_needs_torchvision_here_is_refused_at_load(checkpoints, tmp_path):
@@ -109,6 +109,6 @@ def test_the_builtin_ships_deepstack_rows():
 
     adapter = builtin_models()["tiny-qwen3-vl"](CPU, F32)
     assert adapter.info.deepstack == 2 and adapter.info.row_width == 3 * adapter.info.hidden_size
-    modality, item = adapter.sample_item()
-    rows = adapter.forward(adapter.preprocess(modality, [item]))
-    assert rows.shape == (adapter.item_layout(modality, item).tokens, adapter.info.row_width)
+    modality, item = adapter.processor.sample_item()
+    rows = adapter.forward(adapter.processor.preprocess(modality, [item]))
+    assert rows.shape == (adapter.processor.item_layout(modality, item).tokens, adapter.info.row_width)

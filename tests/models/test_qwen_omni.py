@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from encode_server.models.base import ItemError
 from encode_server.models.loading.checkpoint import CheckpointError
 from encode_server.models.registry import family_for_model_type, load_checkpoint
+from processors.base import ItemError
 from tests.support.checkpoints.qwen_omni import (
     TOKENS,
     audio_clip,
@@ -101,8 +101,8 @@ def test_fused_items_equal_the_thinkers_features_alone_and_the_processors_count(
     model, _ = checkpoints[model_type]
     adapter, processor = adapters[model_type, "nested"], processors[model_type, "nested"]
     items = items_of(modality, model_type)
-    prepared = adapter.preprocess(modality, items)
-    assert prepared.layouts == [adapter.item_layout(modality, item) for item in items]
+    prepared = adapter.processor.preprocess(modality, items)
+    assert prepared.layouts == [adapter.processor.item_layout(modality, item) for item in items]
     rows = adapter.forward(prepared)
     pieces = adapter.split_rows(prepared.layouts, rows, [1] * len(items))
     placeholder = token_ids(model_type)[PLACEHOLDER[modality]]
@@ -125,8 +125,8 @@ def test_the_published_flat_layout_gives_the_same_rows_and_counts(checkpoints, a
     processor = processors[model_type, "flat"]
     for modality in ("image", "video", "audio"):
         items = items_of(modality, model_type)[:2]
-        prepared = flat.preprocess(modality, items)
-        assert torch.equal(flat.forward(prepared), nested.forward(nested.preprocess(modality, items)))
+        prepared = flat.processor.preprocess(modality, items)
+        assert torch.equal(flat.forward(prepared), nested.forward(nested.processor.preprocess(modality, items)))
         placeholder = token_ids(model_type)[PLACEHOLDER[modality]]
         for item, layout in zip(items, prepared.layouts):
             inputs = alone(processor, model_type, modality, item)
@@ -157,7 +157,8 @@ def test_the_thinker_splices_these_rows_at_its_placeholders(checkpoints, adapter
     input_ids = inputs["input_ids"][0]
     width = adapter.info.hidden_size
     for modality, item in (("image", image), ("video", clip), ("audio", audio)):
-        ours = adapter.forward(adapter.preprocess(modality, [item]))[:, :width]  # deepstack goes to later layers
+        ours = adapter.forward(adapter.processor.preprocess(modality, [item]))[:,
+                                                                               :width]  # deepstack goes to later layers
         spliced = captured["embeds"][input_ids == ids[PLACEHOLDER[modality]]]
         assert spliced.shape == ours.shape, modality
         assert rel_diff(ours, spliced) <= TOLERANCE, modality
@@ -170,21 +171,21 @@ def test_qwen3_omni_short_clips_go_through_the_tower_apart(adapters):
 
     adapter = adapters["qwen3_omni_moe", "nested"]
     clips = [audio_clip(8000, 1), audio_clip(37_937, 2)]  # 50 frames; 379 frames
-    prepared = adapter.preprocess("audio", clips)
-    assert adapter.audio.rule.tower_groups([30, 379, 30, 100, 50]) == [[0, 2], [1, 3], [4]]
+    prepared = adapter.processor.preprocess("audio", clips)
+    assert adapter.processor.audio.rule.tower_groups([30, 379, 30, 100, 50]) == [[0, 2], [1, 3], [4]]
     apart = adapter.forward(prepared)
     short = prepared.layouts[0].tokens
-    assert torch.equal(apart[:short], adapter.forward(adapter.preprocess("audio", clips[:1])))
+    assert torch.equal(apart[:short], adapter.forward(adapter.processor.preprocess("audio", clips[:1])))
 
     class OneCall(Qwen3OmniAudioRule):
         def tower_groups(self, frames):
             return [list(range(len(frames)))]
 
-    rule, adapter.audio.rule = adapter.audio.rule, OneCall()
+    rule, adapter.processor.audio.rule = adapter.processor.audio.rule, OneCall()
     try:
         together = adapter.forward(prepared)
     finally:
-        adapter.audio.rule = rule
+        adapter.processor.audio.rule = rule
     assert rel_diff(together[:short], apart[:short]) > 10 * TOLERANCE  # the grouping is what keeps them exact
 
 
@@ -195,9 +196,9 @@ def test_audio_the_model_cannot_take_is_an_item_error(adapters):
     qwen3.item_layout("audio", np.zeros(64_001, dtype=np.float32))  # Qwen3-Omni's processor has no window
     for adapter, samples in ((qwen25, 320), (qwen3, 200)):
         with pytest.raises(ItemError, match="too short"):
-            adapter.item_layout("audio", np.zeros(samples, dtype=np.float32))
+            adapter.processor.item_layout("audio", np.zeros(samples, dtype=np.float32))
         with pytest.raises(ItemError, match="mono waveform"):
-            adapter.item_layout("audio", np.zeros((2, 16000), dtype=np.float32))
+            adapter.processor.item_layout("audio", np.zeros((2, 16000), dtype=np.float32))
     assert qwen25.item_layout("audio", np.zeros(321, dtype=np.float32)).tokens == 1
     assert qwen3.item_layout("audio", np.zeros(201, dtype=np.float32)).tokens == 1
 
@@ -252,12 +253,12 @@ def test_builtins_serve_all_three_modalities_and_pickle_for_workers(name):
     adapter = builtin_models()[name](CPU, F32)
     deepstack = 2 if name == "tiny-qwen3-omni" else 0
     assert adapter.info.deepstack == deepstack and adapter.info.deepstack_of("audio") == 0
-    assert adapter.sampling_rate == 16000 and adapter.packed_attention and adapter.packed_audio_attention
+    assert adapter.processor.sampling_rate == 16000 and adapter.packed_attention and adapter.packed_audio_attention
     adapter.warmup()
     items = {"image": sample_images()[:2], "video": sample_clips()[:1], "audio": sample_audio("qwen3_omni_moe")[2:4]}
-    copy = pickle.loads(pickle.dumps(adapter.preprocessing_copy()))
+    copy = pickle.loads(pickle.dumps(adapter.processor))
     for modality, batch in items.items():
-        prepared = adapter.preprocess(modality, batch)
+        prepared = adapter.processor.preprocess(modality, batch)
         rows = adapter.forward(prepared)
         assert rows.shape == (prepared.total_tokens, adapter.info.row_width_of(modality))
         from_copy = copy.preprocess(modality, batch)

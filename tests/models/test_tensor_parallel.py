@@ -110,7 +110,7 @@ def two_ranks(folders, tmp_path_factory) -> dict:
     for (module, builtin, modality, batch), rows in zip(jobs, sharded_rows(jobs), strict=True):
         family = module.rpartition(".")[2]
         adapter = plan_of(family).builtins[builtin](CPU, F32)
-        want = adapter.forward(adapter.preprocess(modality, batch))
+        want = adapter.forward(adapter.processor.preprocess(modality, batch))
         assert rows.shape == want.shape == (want.shape[0], adapter.info.row_width_of(modality)), (builtin, modality)
         results.setdefault(family, {})[f"{builtin}/{modality}"] = (want.shape[0], rel_diff(rows, want), None)
     return results

@@ -33,7 +33,7 @@ for build, reference, sizes in (
     assert type(processor).__name__.endswith("Pil"), type(processor).__name__
     adapter = load_checkpoint(folder, torch.device("cpu"), torch.float32)
     images = [random_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
-    got = adapter.forward(adapter.preprocess("image", images))
+    got = adapter.forward(adapter.processor.preprocess("image", images))
     difference = rel_diff(got, reference(model, processor, images))
     assert difference <= 1e-5, (build.__name__, difference)
     print(build.__name__, type(processor).__name__, "rows", got.shape[0], "exact")

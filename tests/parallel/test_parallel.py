@@ -29,7 +29,7 @@ def reference():
 
 def encode_alone(adapter, items_b64: list[str]) -> np.ndarray:
     images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in items_b64]
-    return adapter.forward(adapter.preprocess("image", images)).numpy()
+    return adapter.forward(adapter.processor.preprocess("image", images)).numpy()
 
 
 def embedding(body: dict) -> np.ndarray:

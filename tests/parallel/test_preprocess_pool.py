@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from encode_server.media.decoding import MediaLimits, decode_bytes, decode_frames
-from encode_server.models import EncoderAdapter, PreparedBatch, load_adapter
+from encode_server.models import EncoderAdapter, PreparedBatch, Processor, load_adapter
 from encode_server.ops.settings import Settings
 from encode_server.preprocessing.pool import ItemFailure, PreprocessPool, default_preprocess_workers
 from encode_server.preprocessing.shared_tensors import SHM_DIR, SlotReader, SlotWriter, export_tensors, import_tensors
@@ -78,9 +78,9 @@ CASES = {  # (modality, items): sizes that differ, so that grids and tile counts
 
 @pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-internvl", "tiny-qwen2-audio", "tiny-qwen3-vl",
                                   "tiny-glm4v"])
-def test_preprocessing_copy_pickles_without_the_model_and_preprocesses_alike(adapters, name):
+def test_the_processor_pickles_without_the_model_and_preprocesses_alike(adapters, name):
     adapter = adapters[name]
-    copy = adapter.preprocessing_copy()
+    copy = adapter.processor
     assert not [key for key, value in vars(copy).items() if isinstance(value, torch.nn.Module)]
     assert [key for key, value in vars(adapter).items() if isinstance(value, torch.nn.Module)]  # untouched
     data = pickle.dumps(copy)
@@ -89,26 +89,27 @@ def test_preprocessing_copy_pickles_without_the_model_and_preprocesses_alike(ada
     for model, modality, make in CASES.values():
         if model == name:
             items = make()
-            assert_same(adapter.preprocess(modality, items), restored.preprocess(modality, items))
+            assert_same(adapter.processor.preprocess(modality, items), restored.preprocess(modality, items))
             assert [restored.item_layout(modality, item) for item in items] == \
-                [adapter.item_layout(modality, item) for item in items]
+                [adapter.processor.item_layout(modality, item) for item in items]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_collate_of_per_item_results_equals_one_preprocess(adapters, case):
     model, modality, make = CASES[case]
     adapter, items = adapters[model], make()
-    whole = adapter.preprocess(modality, items)
-    assert_same(whole, adapter.collate([adapter.preprocess(modality, [item]) for item in items]))
+    whole = adapter.processor.preprocess(modality, items)
+    assert_same(whole, adapter.processor.collate([adapter.processor.preprocess(modality, [item]) for item in items]))
 
 
 def test_collate_refuses_mismatched_batches(adapters):
     qwen = adapters["tiny-qwen2.5-vl"]
     with pytest.raises(ValueError):
-        qwen.collate([])
+        qwen.processor.collate([])
     audio = adapters["tiny-qwen2-audio"]
     with pytest.raises(ValueError):
-        qwen.collate([qwen.preprocess("image", [image(56, 56)]), audio.preprocess("audio", [wav(1600)])])
+        qwen.processor.collate([qwen.processor.preprocess("image", [image(56, 56)]),
+                                audio.processor.preprocess("audio", [wav(1600)])])
 
 
 # --- shared memory and the default worker count -----------------------------------------------------
@@ -206,11 +207,11 @@ def test_a_workers_task_puts_only_its_first_pixel_rows_in_the_slot():
 
 
 def test_the_table_lookup_processor_writes_where_it_is_told(adapters):
-    from encode_server.models.base import pixels_allocated_by
+    from processors.base import pixels_allocated_by
 
     qwen = adapters["tiny-qwen2.5-vl"]
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (90, 120, 3), dtype=np.uint8))
-    expected = qwen.preprocess("image", [image]).inputs["pixel_values"]
+    expected = qwen.processor.preprocess("image", [image]).inputs["pixel_values"]
     given: list[torch.Tensor] = []
 
     def allocate(shape):
@@ -218,7 +219,7 @@ def test_the_table_lookup_processor_writes_where_it_is_told(adapters):
         return given[-1]
 
     with pixels_allocated_by(allocate):
-        pixels = qwen.preprocess("image", [image]).inputs["pixel_values"]
+        pixels = qwen.processor.preprocess("image", [image]).inputs["pixel_values"]
     assert len(given) == 1 and pixels.data_ptr() == given[0].data_ptr()
     assert torch.equal(pixels, expected)
 
@@ -233,10 +234,10 @@ def test_pool_reuses_released_slots_and_keeps_held_items_intact(adapters):
         for round_ in range(6):
             images = [encoded(56 + 28 * ((round_ + i) % 4), 56 + 28 * i, 100 + 10 * round_ + i) for i in range(3)]
             results = prepared_only(pool.submit("image", images).result(timeout=120))
-            assert_same(reference(qwen, "image", images), qwen.collate(results))
+            assert_same(reference(qwen, "image", images), qwen.processor.collate(results))
             pool.release(results)
             pool.release(results)  # twice is harmless
-        assert_same(reference(qwen, "image", held_images), qwen.collate(held))  # not overwritten meanwhile
+        assert_same(reference(qwen, "image", held_images), qwen.processor.collate(held))  # not overwritten meanwhile
         stats = pool.stats()[0]
         assert stats["items"] == 20 and stats["slot_items"] == 20  # every item in a slot, none one-off
     finally:
@@ -268,7 +269,7 @@ def test_items_of_cancelled_or_failed_requests_give_their_slots_back(adapters):
         before = pool.stats()[0]
         images = [encoded(84, 56, 500 + i) for i in range(3)]
         results = prepared_only(pool.submit("image", images).result(timeout=120))
-        assert_same(reference(qwen, "image", images), qwen.collate(results))
+        assert_same(reference(qwen, "image", images), qwen.processor.collate(results))
         after = pool.stats()[0]
         assert after["slot_items"] - before["slot_items"] == 3  # slots were free: none leaked
     finally:
@@ -302,15 +303,12 @@ def test_default_worker_count():
 
 # --- the pool ------------------------------------------------------------------------------------------
 
-class Sabotaged(EncoderAdapter):
-    """tiny-qwen2.5-vl's preprocessing, but an image CRASH_WIDTH wide kills the process, HANG_WIDTH hangs it."""
+class SabotagedProcessor(Processor):
+    """tiny-qwen2.5-vl's processor, but an image CRASH_WIDTH wide kills the process, HANG_WIDTH hangs it."""
 
-    def __init__(self, inner: EncoderAdapter) -> None:
+    def __init__(self, inner: Processor) -> None:
         self.inner = inner
-        self.info, self.device, self.dtype = inner.info, inner.device, inner.dtype
-
-    def preprocessing_copy(self) -> EncoderAdapter:
-        return Sabotaged(self.inner.preprocessing_copy())
+        self.modalities, self.sampling_rate = inner.modalities, inner.sampling_rate
 
     def item_layout(self, modality, item):
         return self.inner.item_layout(modality, item)
@@ -324,11 +322,20 @@ class Sabotaged(EncoderAdapter):
                 time.sleep(600)
         return self.inner.preprocess(modality, items)
 
-    def forward(self, batch):
-        return self.inner.forward(batch)
-
     def sample_item(self):
         return self.inner.sample_item()
+
+
+class Sabotaged(EncoderAdapter):
+    """tiny-qwen2.5-vl with a `SabotagedProcessor`."""
+
+    def __init__(self, inner: EncoderAdapter) -> None:
+        self.inner = inner
+        self.info, self.device, self.dtype = inner.info, inner.device, inner.dtype
+        self.processor = SabotagedProcessor(inner.processor)
+
+    def forward(self, batch):
+        return self.inner.forward(batch)
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +349,7 @@ def pool(adapters):
 def reference(adapter: EncoderAdapter, modality: str, raw_items: list) -> PreparedBatch:
     decoded = [decode_frames(raw, LIMITS, "x") if isinstance(raw, list) else decode_bytes(modality, raw, LIMITS, "x")
                for raw in raw_items]
-    return adapter.preprocess(modality, decoded)
+    return adapter.processor.preprocess(modality, decoded)
 
 
 def prepared_only(results: list) -> list[PreparedBatch]:
@@ -354,12 +361,13 @@ def test_pool_matches_in_process_preprocessing_in_item_order(pool, adapters):
     qwen = adapters["tiny-qwen2.5-vl"]
     images = [encoded(56 + 28 * (i % 5), 56 + 14 * i, i, "PNG" if i % 2 else "JPEG") for i in range(10)]
     results = prepared_only(pool.submit("image", images).result(timeout=120))
-    assert [r.layouts[0] for r in results] == [qwen.item_layout("image", decode_bytes("image", raw, LIMITS, "x"))
-                                               for raw in images]  # in order, one item each
-    assert_same(reference(qwen, "image", images), qwen.collate(results))
+    assert [r.layouts[0] for r in results] == \
+        [qwen.processor.item_layout("image", decode_bytes("image", raw, LIMITS, "x"))
+         for raw in images]  # in order, one item each
+    assert_same(reference(qwen, "image", images), qwen.processor.collate(results))
     video = [[encoded(64, 64, 20), encoded(64, 64, 21), encoded(64, 64, 22)], [encoded(112, 56, 23)] * 2]
     results = prepared_only(pool.submit("video", video).result(timeout=120))
-    assert_same(reference(qwen, "video", video), qwen.collate(results))
+    assert_same(reference(qwen, "video", video), qwen.processor.collate(results))
 
 
 async def test_prepare_from_the_event_loop_and_bad_items_fail_alone(pool, adapters):
@@ -372,7 +380,7 @@ async def test_prepare_from_the_event_loop_and_bad_items_fail_alone(pool, adapte
     assert isinstance(results[2], ItemFailure) and results[2].status == 400
     assert "mm_items[2]" in results[2].message and "aspect ratio" in results[2].message
     assert isinstance(results[4], ItemFailure) and results[4].message == "mm_items[4]: empty image data"
-    assert_same(reference(qwen, "image", good), qwen.collate([results[0], results[3]]))
+    assert_same(reference(qwen, "image", good), qwen.processor.collate([results[0], results[3]]))
     named = await pool.prepare("image", [b"junk"], locations=["request r7 item 0"])
     assert named[0].message.startswith("request r7 item 0:")
     assert await pool.prepare("image", []) == []
@@ -390,7 +398,7 @@ def test_worker_killed_mid_batch_is_restarted_and_its_item_retried(pool, adapter
     victim = next(iter(busy))
     os.kill(victim, signal.SIGKILL)
     results = prepared_only(future.result(timeout=180))
-    assert_same(reference(qwen, "image", images), qwen.collate(results))
+    assert_same(reference(qwen, "image", images), qwen.processor.collate(results))
     assert sum(worker["restarts"] for worker in pool.stats()) == restarts_before + 1
     assert victim not in pool.pids()
     wait_until(lambda: len(pool.pids()) == 2, 120)
@@ -404,7 +412,7 @@ def test_an_item_that_kills_its_worker_twice_fails_alone(pool, adapters):
     assert isinstance(results[1], ItemFailure) and results[1].status == 500
     assert "died twice" in results[1].message and "SIGKILL" in results[1].message
     assert results[1].message.startswith("mm_items[1]")
-    assert_same(reference(qwen, "image", [items[0], items[2]]), qwen.collate([results[0], results[2]]))
+    assert_same(reference(qwen, "image", [items[0], items[2]]), qwen.processor.collate([results[0], results[2]]))
 
 
 def test_an_item_that_hangs_is_stopped_after_the_item_timeout(pool):
@@ -471,10 +479,10 @@ def test_an_audio_clip_travels_too(adapters):
     audio = adapters["tiny-qwen2-audio"]
     buffer = io.BytesIO()
     soundfile.write(buffer, wav(16000, 5), 16000, format="WAV")
-    prepared = prepare_item(audio.preprocessing_copy(), LIMITS, "audio", buffer.getvalue(), "mm_items[0]")
+    prepared = prepare_item(audio.processor, LIMITS, "audio", buffer.getvalue(), "mm_items[0]")
     shared = export_tensors(prepared.inputs, SHM_DIR / f"encode-preprocess-audio-{os.getpid()}")
     back = PreparedBatch("audio", import_tensors(shared), prepared.layouts)
-    assert_same(audio.preprocess("audio", [decode_bytes("audio", buffer.getvalue(), LIMITS, "x")]), back)
+    assert_same(audio.processor.preprocess("audio", [decode_bytes("audio", buffer.getvalue(), LIMITS, "x")]), back)
 
 
 # --- --preprocess-device -----------------------------------------------------------------------------
@@ -487,14 +495,14 @@ def test_preprocess_device_cuda_is_refused_where_it_cannot_run(adapters):
     check_preprocess_device("cpu", qwen)  # the default: nothing to check
     with pytest.raises(PreprocessDeviceError, match="needs the model on a CUDA device"):
         check_preprocess_device("cuda", qwen)
-    on_gpu = qwen.preprocessing_copy()
+    on_gpu = Sabotaged(qwen)  # the model's processor, on a model said to run on a GPU
     on_gpu.device = torch.device("cuda")
     try:
         import torchvision  # noqa: F401
     except ImportError:
         with pytest.raises(PreprocessDeviceError, match="needs torchvision"):
             check_preprocess_device("cuda", on_gpu)
-    audio = adapters["tiny-qwen2-audio"].preprocessing_copy()
+    audio = Sabotaged(adapters["tiny-qwen2-audio"])
     audio.device = torch.device("cuda")
     with pytest.raises(PreprocessDeviceError):
         check_preprocess_device("cuda", audio)
@@ -599,10 +607,10 @@ def test_which_servers_get_a_pool(adapters):
     made.close()
     assert made.submit("image", [b"x"]).result(timeout=5)[0].status == 503  # closed before it started: no hang
     assert make_preprocess_pool(Settings(preprocess_workers=2, tp_size=2), qwen, LIMITS) is None
-    unpicklable = Sabotaged(qwen.preprocessing_copy())
-    unpicklable.sizing = lambda: None  # a local closure, as some families hold
-    unpicklable.preprocessing_copy = lambda: unpicklable
-    assert make_preprocess_pool(Settings(preprocess_workers=2), unpicklable, LIMITS) is None
+    unpicklable = Sabotaged(qwen)
+    unpicklable.processor.sizing = lambda: None  # a processor must pickle: one that does not is refused loudly
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        make_preprocess_pool(Settings(preprocess_workers=2), unpicklable, LIMITS)
 
 
 def test_spare_items_wait_for_dispatched_ones_and_claimed_ones_go_first(adapters):
@@ -679,7 +687,7 @@ def test_engine_uses_work_ahead_once_and_gives_back_what_it_forgets(adapters):
     qwen = adapters["tiny-qwen2.5-vl"]
 
     def job(req_id: str, data: bytes) -> EncodeJob:
-        layout = qwen.item_layout("image", decode_bytes("image", data, LIMITS, "x"))
+        layout = qwen.processor.item_layout("image", decode_bytes("image", data, LIMITS, "x"))
         return EncodeJob(meta=PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality="image"), items=(None,),
                          layouts=(layout,), raw_items=(data,))
 

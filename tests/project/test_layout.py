@@ -1,6 +1,7 @@
 """The package layout (docs/ARCHITECTURE.md): imports between `encode_server`'s packages go one way,
 downwards along the flow, with no cycle; the shared pipeline imports no protocol front, and no front another;
-every package says its job."""
+every package says its job. The top-level `processors` package is the bottom room: the model layer imports it,
+and it imports nothing of `encode_server`."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ from pathlib import Path
 import pytest
 
 import encode_server
+import processors
 
 pytestmark = pytest.mark.quick
 
 PACKAGE = Path(encode_server.__file__).parent
+PROCESSORS = Path(processors.__file__).parent
 
 #: The protocol fronts: each package under `encode_server/fronts/` is a room of its own.
 FRONTS = {"fronts.native", "fronts.sglang", "fronts.vllm"}
 #: Bottom to top. A module may import its own room and the rooms of lower layers only.
 LAYERS = [
+    {"processors"},  # the top-level package beside `encode_server`: media -> a tower's inputs
     {"models"},
     {"ops", "records"},
     {"media", "delivery", "scheduling", "transport"},
@@ -42,8 +46,11 @@ PIPELINE = {room for room, level in LEVEL.items() if level < LEVEL["fronts"]}
 
 def room_of(module: str) -> str:
     """`encode_server.scheduling.policy` -> `scheduling`; `encode_server.service` -> `service`;
-    `encode_server.fronts.vllm.producer` -> `fronts.vllm`; `encode_server.fronts.base` -> `fronts`."""
+    `encode_server.fronts.vllm.producer` -> `fronts.vllm`; `encode_server.fronts.base` -> `fronts`; anything of the
+    top-level `processors` package -> `processors`."""
     parts = module.split(".")
+    if parts[0] == "processors":
+        return "processors"
     if parts[1] == "fronts" and len(parts) > 2 and (PACKAGE / "fronts" / parts[2]).is_dir():
         return f"fronts.{parts[2]}"
     return parts[1]
@@ -52,8 +59,8 @@ def room_of(module: str) -> str:
 def imports() -> dict[tuple[str, str], list[str]]:
     """(importing room, imported room) -> the modules where that import is written (anywhere in the file)."""
     found: dict[tuple[str, str], list[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in [*PACKAGE.rglob("*.py"), *PROCESSORS.rglob("*.py")]:
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts  # both packages sit in the repository root
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         if module == "encode_server":
             continue
@@ -64,7 +71,8 @@ def imports() -> dict[tuple[str, str], list[str]]:
             elif isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             for name in names:
-                if name.startswith("encode_server.") and room_of(name) != room_of(module):
+                ours = name.startswith("encode_server.") or name == "processors" or name.startswith("processors.")
+                if ours and room_of(name) != room_of(module):
                     found.setdefault((room_of(module), room_of(name)), []).append(module)
     return found
 
@@ -73,7 +81,7 @@ def test_every_module_is_in_a_room_of_the_layout():
     packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
     modules = {path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
     fronts = {f"fronts.{path.parent.name}" for path in (PACKAGE / "fronts").glob("*/__init__.py")}
-    rooms = packages | modules | fronts
+    rooms = packages | modules | fronts | {"processors"}
     assert rooms == set(LEVEL), "add the new room to LAYERS here and to docs/ARCHITECTURE.md"
 
 
@@ -82,8 +90,23 @@ def test_imports_go_down_the_layers_only():
     assert upward == {}
 
 
-def test_the_model_layer_imports_nothing_of_the_server():
-    assert {edge: modules for edge, modules in imports().items() if edge[0] == "models"} == {}
+def test_the_model_layer_imports_nothing_of_the_server_but_processors():
+    assert {edge: modules for edge, modules in imports().items() if edge[0] == "models" and edge[1] != "processors"} \
+        == {}
+
+
+def test_processors_import_nothing_of_the_server():
+    """`processors` is a package of its own: no import of `encode_server` anywhere in it (at the top or inside a
+    function), and no module name of it in a string handed to an importer."""
+    assert {edge: modules for edge, modules in imports().items() if edge[0] == "processors"} == {}
+    for path in PROCESSORS.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        named = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and
+                 isinstance(node.value, str) and node.value.startswith("encode_server")]
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names] + \
+            [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert not [name for name in imported if name.split(".")[0] == "encode_server"], path
+        assert not named, (path, named)
 
 
 def test_no_two_rooms_import_each_other():
@@ -101,9 +124,10 @@ def test_no_front_imports_another():
 
 
 def test_every_package_says_its_job():
-    for init in [*PACKAGE.glob("*/__init__.py"), *PACKAGE.glob("fronts/*/__init__.py")]:
+    for init in [*PACKAGE.glob("*/__init__.py"), *PACKAGE.glob("fronts/*/__init__.py"), *PROCESSORS.glob("__init__.py"),
+                 *PROCESSORS.glob("*/__init__.py")]:
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        where = init.parent.relative_to(PACKAGE)
+        where = init.parent.relative_to(PACKAGE.parent)
         assert doc and len(doc) > 40, f"{where}/__init__.py needs a docstring: its job and its imports"
 
 

@@ -63,7 +63,7 @@ def test_a_server_with_workers_answers_every_modality_with_the_adapters_rows():
             continue
         assert response.status_code == 200, response.text
         body = response.json()
-        want = adapter.forward(adapter.preprocess(modality, decoded)).numpy()
+        want = adapter.forward(adapter.processor.preprocess(modality, decoded)).numpy()
         np.testing.assert_allclose(decode_embedding(body), want, rtol=1e-5, atol=1e-5)
         assert body.get("deepstack", 0) == adapter.info.deepstack_of(modality)
         if modality == "audio":

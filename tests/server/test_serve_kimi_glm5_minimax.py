@@ -35,7 +35,7 @@ def test_images_and_videos_batched_by_the_server_give_the_adapters_rows(model_ty
     adapter = load_checkpoint(folder, torch.device("cpu"), torch.float32)
     images, clips = sample_images()[1:4], sample_clips()[1:3]
     requests = [("image", images[:2]), ("image", images[2:]), ("video", clips)]
-    want = [adapter.forward(adapter.preprocess(modality, items)) for modality, items in requests]
+    want = [adapter.forward(adapter.processor.preprocess(modality, items)) for modality, items in requests]
 
     async def send(url: str):
         async with httpx.AsyncClient(timeout=120) as client:
@@ -56,7 +56,7 @@ def test_images_and_videos_batched_by_the_server_give_the_adapters_rows(model_ty
         got = np.frombuffer(base64.b64decode(body["embedding"]), "<f4").reshape(body["embedding_shape"])
         assert got.shape == tuple(rows.shape) and rel_diff(got, rows) <= 1e-5
         assert [item["grid_thw"] for item in body["items"]] == \
-            [list(adapter.item_layout(modality, item).grid_thw) for item in items]
+            [list(adapter.processor.item_layout(modality, item).grid_thw) for item in items]
     assert responses[0].json()["batch_size"] == 2  # the two image requests were encoded together
 
 

@@ -47,7 +47,7 @@ def reference():
 
 def encode_alone(adapter, images_b64: list[str]) -> np.ndarray:
     images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in images_b64]
-    return adapter.forward(adapter.preprocess("image", images)).numpy()
+    return adapter.forward(adapter.processor.preprocess("image", images)).numpy()
 
 
 async def post_many(url: str, bodies: list[dict], timeout: float = 60.0) -> list[httpx.Response]:

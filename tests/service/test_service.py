@@ -250,7 +250,7 @@ async def test_the_embedding_is_what_the_encoder_computes_for_the_item_alone(ada
         await service.stop()
     rows = torch.frombuffer(bytearray(base64.b64decode(response["embedding"])), dtype=torch.float32)
     image = Image.open(io.BytesIO(base64.b64decode(image_of("alone")))).convert("RGB")
-    expected = adapter.forward(adapter.preprocess("image", [image]))
+    expected = adapter.forward(adapter.processor.preprocess("image", [image]))
     assert response["embedding_shape"] == list(expected.shape)
     assert torch.equal(rows.reshape(expected.shape), expected)
     assert response["items"] == [{"tokens": 4, "grid_thw": [1, 4, 4]}]

@@ -40,8 +40,8 @@ def checkpoint_fixtures(build: Callable[[Path], tuple], load: Callable[..., Any]
 def check_fused_equals_alone(adapter, modality: str, items: Sequence[Any], alone_rows: Callable[[Any], torch.Tensor]):
     """The items preprocessed and encoded in one forward give each exactly `alone_rows(item)` (1e-5 relative), with
     the layouts `item_layout` announces; returns the fused batch."""
-    batch = adapter.preprocess(modality, items)
-    assert batch.layouts == [adapter.item_layout(modality, item) for item in items]
+    batch = adapter.processor.preprocess(modality, items)
+    assert batch.layouts == [adapter.processor.item_layout(modality, item) for item in items]
     fused = adapter.forward(batch)
     alone = [alone_rows(item) for item in items]
     assert [layout.tokens for layout in batch.layouts] == [rows.shape[0] for rows in alone]
@@ -82,7 +82,7 @@ def check_server_fuses_audio_and_serves_images_and_video(folder: Path, family: s
     from tests.support.tiny_parts import wav_b64
 
     def adapter_rows(modality, item):
-        return adapter.forward(adapter.preprocess(modality, [item]))
+        return adapter.forward(adapter.processor.preprocess(modality, [item]))
 
     with InProcessServer("--model", str(folder), *BATCHING) as server:
         info = httpx.get(server.url + "/server_info").json()["model"]

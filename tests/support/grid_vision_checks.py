@@ -48,7 +48,7 @@ def check_fused_images_equal_get_image_features_alone(model, folder: Path, adapt
 
     processor = AutoImageProcessor.from_pretrained(folder)
     images = sample_images()
-    batch = adapter.preprocess("image", images)
+    batch = adapter.processor.preprocess("image", images)
     pieces = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
     for image, got in zip(images, pieces, strict=True):
         inputs = processor(images=[image], return_tensors="pt")
@@ -62,10 +62,10 @@ def check_fused_images_equal_get_image_features_alone(model, folder: Path, adapt
 
 def check_fused_videos_equal_get_video_features_alone(model, adapter) -> None:
     clips = sample_clips()
-    batch = adapter.preprocess("video", clips)
+    batch = adapter.processor.preprocess("video", clips)
     pieces = adapter.split_rows(batch.layouts, adapter.forward(batch), [1] * len(batch.layouts))
     for clip, got in zip(clips, pieces, strict=True):
-        pixels, layout = adapter.video.patches(clip)
+        pixels, layout = adapter.processor.video.patches(clip)
         with torch.no_grad():
             features = model.model.get_video_features(pixel_values_videos=pixels,
                                                       video_grid_thw=torch.tensor([layout.grid_thw]))
@@ -77,18 +77,18 @@ def check_fused_videos_equal_get_video_features_alone(model, adapter) -> None:
 def check_rows_equal_the_full_processors_placeholder_count(adapter, reference: dict) -> None:
     for image, size, want in zip(sample_images(), IMAGE_SIZES, reference["images"], strict=True):
         assert want["size"] == list(size)
-        got = adapter.item_layout("image", image)
+        got = adapter.processor.item_layout("image", image)
         assert (got.tokens, list(got.grid_thw)) == (want["tokens"], want["grid_thw"]), size
     for clip, size, want in zip(sample_clips(), CLIP_SIZES, reference["videos"], strict=True):
         assert [want["frames"], *want["size"]] == list(size)
-        got = adapter.item_layout("video", clip)
+        got = adapter.processor.item_layout("video", clip)
         assert (got.tokens, list(got.grid_thw)) == (want["tokens"], want["grid_thw"]), size
 
 
 def check_video_pixels_equal_transformers_video_processor(adapter, reference: dict, expected_class: str) -> None:
     """Bit for bit: same resize kernel, same fused normalisation, same patch order."""
-    assert reference["video_processor"] == expected_class == type(adapter.video.processor).__name__
+    assert reference["video_processor"] == expected_class == type(adapter.processor.video.processor).__name__
     for clip, want in zip(sample_clips(), reference["videos"], strict=True):
-        pixels, clip_layout = adapter.video.patches(clip)
+        pixels, clip_layout = adapter.processor.video.patches(clip)
         assert list(clip_layout.grid_thw) == want["grid_thw"]
         assert fingerprint(pixels) == want["pixels"]

@@ -17,8 +17,8 @@ from encode_server.models import load_adapter, resolve_model
 
 
 def sample_rows(adapter) -> torch.Tensor:
-    modality, item = adapter.sample_item()
-    return adapter.forward(adapter.preprocess(modality, [item]))
+    modality, item = adapter.processor.sample_item()
+    return adapter.forward(adapter.processor.preprocess(modality, [item]))
 
 
 def main() -> None:

@@ -87,16 +87,17 @@ def main() -> None:
         family = importlib.import_module(module).FAMILY
         adapter = family.load(Path(folder), torch.device("cpu"), torch.float32)
         served = adapter.info.modalities if all_modalities else ("image",)
-        media = {modality: items(modality, getattr(adapter, "sampling_rate", 16000)) for modality in served}
-        whole = {modality: adapter.forward(adapter.preprocess(modality, media[modality])) for modality in media}
+        media = {modality: items(modality, adapter.processor.sampling_rate) for modality in served}
+        whole = {modality: adapter.forward(adapter.processor.preprocess(modality,
+                                                                        media[modality])) for modality in media}
         family.shard(adapter, mesh)
         if not all_modalities:
-            split = adapter.forward(adapter.preprocess("image", media["image"]))
+            split = adapter.forward(adapter.processor.preprocess("image", media["image"]))
             results[family.name] = {"rows": whole["image"].shape[0], "rel": relative(split, whole["image"])}
             continue
         sharded = sum(type(parameter).__name__ == "DTensor" for parameter in adapter.model.parameters())
         for modality, batch in media.items():
-            split = adapter.forward(adapter.preprocess(modality, batch))
+            split = adapter.forward(adapter.processor.preprocess(modality, batch))
             results[f"{family.name}/{modality}"] = {"rows": whole[modality].shape[0],
                                                     "rel": relative(split, whole[modality]),
                                                     "sharded_parameters": sharded}
@@ -119,7 +120,7 @@ def _rank(rank: int, world: int, port: int, jobs: list[Job], results: dict) -> N
             family = importlib.import_module(module).FAMILY
             adapter = family.builtins[builtin](torch.device("cpu"), torch.float32)
             family.shard(adapter, mesh)
-            rows = adapter.forward(adapter.preprocess(modality, batch))
+            rows = adapter.forward(adapter.processor.preprocess(modality, batch))
             if rank == 0:
                 results[index] = rows.clone()
     finally:

@@ -41,8 +41,8 @@ def spliced_rows(model: torch.nn.Module, inputs: dict, mask: torch.Tensor) -> to
 
 
 def check_fused(adapter, modality: str, items: Sequence[Any], reference: Callable[[Any], torch.Tensor]) -> None:
-    batch = adapter.preprocess(modality, items)
-    assert batch.layouts == [adapter.item_layout(modality, item) for item in items]
+    batch = adapter.processor.preprocess(modality, items)
+    assert batch.layouts == [adapter.processor.item_layout(modality, item) for item in items]
     assert len({layout.grid_thw for layout in batch.layouts}) >= 3, "the batch should mix item sizes"
     fused = adapter.forward(batch)
     assert fused.shape == (batch.total_tokens, adapter.info.row_width)
@@ -51,7 +51,7 @@ def check_fused(adapter, modality: str, items: Sequence[Any], reference: Callabl
         want = reference(item)
         assert got.shape == want.shape, (layout, got.shape, want.shape)
         assert rel_diff(got, want) <= 1e-5, layout
-    layouts, rows = adapter.forward_items([adapter.preprocess(modality, [item]) for item in items])
+    layouts, rows = adapter.forward_items([adapter.processor.preprocess(modality, [item]) for item in items])
     assert layouts == batch.layouts and rel_diff(rows, fused) <= 1e-5
 
 
@@ -64,7 +64,7 @@ def check_prompt_rows(adapter, processor, modality: str, items: Sequence[Any], p
         media = {"images": [item]} if modality == "image" else {"videos": [item], "do_sample_frames": False}
         inputs = processor(text=[prompt], return_tensors="pt", **media)
         mask = inputs["input_ids"] == token_id
-        rows = adapter.forward(adapter.preprocess(modality, [item]))
-        assert adapter.item_layout(modality, item).tokens == int(mask.sum()) == rows.shape[0]
+        rows = adapter.forward(adapter.processor.preprocess(modality, [item]))
+        assert adapter.processor.item_layout(modality, item).tokens == int(mask.sum()) == rows.shape[0]
         if model is not None:
             assert rel_diff(rows, spliced_rows(model, inputs, mask)) <= 1e-5

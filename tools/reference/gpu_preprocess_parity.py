@@ -56,9 +56,9 @@ def main(argv=None) -> int:
         if pil is None:
             print(f"{name}: no image processor (audio); nothing to run on the GPU")
             continue
-        reference = adapter.preprocess("image", images)
-        adapter.image_processor = DeviceImageProcessor(pil, device)
-        fast = adapter.preprocess("image", images)
+        reference = adapter.processor.preprocess("image", images)
+        adapter.processor.image_processor = DeviceImageProcessor(pil, device)
+        fast = adapter.processor.preprocess("image", images)
         tokens_same = [layout.tokens for layout in reference.layouts] == [layout.tokens for layout in fast.layouts]
         grids_same = reference.layouts == fast.layouts
         ours, theirs = reference.inputs["pixel_values"].float(), fast.inputs["pixel_values"].float().cpu()
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         diff = (ours - theirs).abs() if shapes_same else torch.tensor([float("inf")])
         within = tokens_same and grids_same and shapes_same and float(diff.max()) <= args.tolerance
         failed |= not within
-        print(f"{name}: {type(pil).__name__} vs {type(adapter.image_processor.fast).__name__} on {device}: "
+        print(f"{name}: {type(pil).__name__} vs {type(adapter.processor.image_processor.fast).__name__} on {device}: "
               f"tokens identical {tokens_same}, grids identical {grids_same}, pixel_values {tuple(ours.shape)}; "
               f"max abs diff {float(diff.max()):.4g}, mean abs diff {float(diff.mean()):.3g} "
               f"({'within' if within else 'ABOVE'} {args.tolerance:g})")

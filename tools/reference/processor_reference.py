@@ -11,7 +11,7 @@ For every tested model type and processor-file layout it records, per test image
 number of placeholder tokens `AutoProcessor.from_pretrained(folder)` inserts into `input_ids` (the
 prefill side's count), the grid, and for clips a fingerprint of `pixel_values_videos` (shape, sums,
 sampled values, SHA-256 of the float32 bytes). Clips go in as frames with `do_sample_frames=False`:
-the frames are the sampled video (see `encode_server/models/inputs/video_patches.py`).
+the frames are the sampled video (see `processors/video_patches.py`).
 """
 
 from __future__ import annotations

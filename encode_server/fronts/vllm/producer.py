@@ -51,11 +51,11 @@ from encode_server.fronts.vllm.video import (
 )
 from encode_server.media.decoding import MediaError
 from encode_server.media.loader import each_in_order
-from encode_server.models.base import ItemLayout
 from encode_server.models.registry import family_named
 from encode_server.ops.settings import Settings
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
+from processors.base import ItemLayout
 
 log = logging.getLogger("encode_server.fronts.vllm.producer")
 
@@ -274,7 +274,7 @@ class VllmProducer:
             encode = lambda: {"frames": video.png_frames()}  # noqa: E731
         elif part.modality == "audio":
             data = data_url_payload(url, part.location) if data is None else data
-            rate = int(getattr(self.service.adapter, "sampling_rate", 16000))
+            rate = self.service.adapter.processor.sampling_rate
             audio = decode_vllm_audio(data, rate, settings.max_audio_seconds, part.location, self.resampler)
             identifier = audio_identifier(self.algorithm, self.model_id, audio.samples, part.uuid)
             encode = audio.wav

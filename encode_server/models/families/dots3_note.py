@@ -32,88 +32,31 @@ hold up to 64 experts per block as stacked tensors, which no plan here splits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from encode_server.models.base import ItemError, ItemLayout, ModelInfo, PreparedBatch
+from encode_server.models.base import ModelInfo
 from encode_server.models.family import Family
-from encode_server.models.inputs.video_patches import VideoPatcher, load_video_processor
 from encode_server.models.loading.checkpoint import CheckpointError
-from encode_server.models.towers.grid_vision import GridVisionAdapter, qwen_image_size_of, run_qwen_tower
-
-MODALITIES = ("image", "video", "audio")
-
-
-def audio_rows(samples: int, chunk_samples: int, samples_per_row: int) -> int:
-    """Rows of a clip of `samples` samples: each chunk of at most `chunk_samples` gives `ceil(n / samples_per_row)`."""
-    full, rest = divmod(samples, chunk_samples)
-    return full * -(-chunk_samples // samples_per_row) + -(-rest // samples_per_row)
+from encode_server.models.towers.grid_vision import GridVisionAdapter, check_grid, run_qwen_tower
+from processors.base import PreparedBatch
+from processors.families.dots3_note import MODALITIES, Dots3NoteProcessor
+from processors.video_patches import load_video_processor
 
 
 class Dots3NoteAdapter(GridVisionAdapter):
     """The vision tower through `GridVisionAdapter`, and the audio encoder with its adapter on waveforms."""
 
+    processor: Dots3NoteProcessor
+
     def __init__(self, name: str, vision_tower: torch.nn.Module, audio_tower: torch.nn.Module, config: Any,
-                 image_processor: Any, video_processor: Any, feature_extractor: Any, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 processor: Dots3NoteProcessor, device: torch.device, dtype: torch.dtype) -> None:
         hidden = int(config.text_config.hidden_size)
         info = ModelInfo(name=name, family="dots3_note", modalities=MODALITIES, hidden_size=hidden)
-        super().__init__(info, vision_tower, image_processor, VideoPatcher(video_processor),
-                         qwen_image_size_of(image_processor), run_qwen_tower, device, dtype)
+        super().__init__(info, vision_tower, processor, run_qwen_tower, device, dtype)
         self.encoder["audio"] = audio_tower.to(device=device, dtype=dtype).eval()
-        audio = config.audio_config
-        mismatched = [(what, ours, theirs) for what, ours, theirs in (
-            ("sampling rate", audio.sampling_rate, feature_extractor.sampling_rate),
-            ("mel bins", audio.feature_size, feature_extractor.feature_size),
-            ("hop length", audio.hop_length, feature_extractor.hop_length)) if int(ours) != int(theirs)]
-        if mismatched:
-            raise CheckpointError(f"{name}: the feature extractor does not match the audio encoder: " + ", ".join(
-                f"{what} {theirs} != {ours}" for what, ours, theirs in mismatched) + "; make the folder's "
-                "feature extractor settings match config.json's audio_config")
-        self.feature_extractor = feature_extractor
-        self.sampling_rate = int(feature_extractor.sampling_rate)
-        self.chunk_samples = int(feature_extractor.n_samples)
-        self.samples_per_row = int(audio.samples_per_token)
-
-    # --- audio -----------------------------------------------------------------------------------
-
-    def _audio_layout(self, rows: int) -> ItemLayout:
-        return ItemLayout(tokens=rows, grid_thw=(1, 1, rows), receiver_grid=rows)
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if modality != "audio":
-            return super().item_layout(modality, item)
-        if not isinstance(item, np.ndarray) or item.ndim != 1:
-            raise ItemError("expected a mono waveform")
-        if item.shape[0] == 0:
-            raise ItemError("audio of 0 samples yields no embedding: send a clip that holds samples")
-        return self._audio_layout(audio_rows(int(item.shape[0]), self.chunk_samples, self.samples_per_row))
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        if modality != "audio":
-            return super().preprocess(modality, items)
-        features = self.feature_extractor(list(items), sampling_rate=self.sampling_rate, return_tensors="pt")
-        return PreparedBatch(modality=modality,
-                             layouts=[self._audio_layout(int(rows)) for rows in features["num_audio_tokens"]],
-                             inputs={"input_features": features["input_features"],
-                                     "chunk_sample_lengths": features["chunk_sample_lengths"]})
-
-    def collate(self, batches: Sequence[PreparedBatch]) -> PreparedBatch:
-        """Audio chunks padded with zeros to the longest chunk's frames (the encoder masks every frame past a
-        chunk's length, so what pads them does not reach a row)."""
-        if len(batches) < 2 or batches[0].modality != "audio":
-            return super().collate(batches)
-        frames = max(batch.inputs["input_features"].shape[-1] for batch in batches)
-        features = torch.cat([torch.nn.functional.pad(batch.inputs["input_features"],
-                                                      (0, frames - batch.inputs["input_features"].shape[-1]))
-                              for batch in batches])
-        lengths = torch.cat([batch.inputs["chunk_sample_lengths"] for batch in batches])
-        return PreparedBatch(modality="audio", layouts=[layout for batch in batches for layout in batch.layouts],
-                             inputs={"input_features": features, "chunk_sample_lengths": lengths})
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -123,6 +66,18 @@ class Dots3NoteAdapter(GridVisionAdapter):
         output = self.encoder["audio"](input_features=features,
                                        chunk_sample_lengths=batch.inputs["chunk_sample_lengths"].to(self.device))
         return output.pooler_output.to("cpu").contiguous()
+
+
+def check_audio(name: str, audio: Any, feature_extractor: Any) -> None:
+    """A `CheckpointError` unless the feature extractor makes the frames the audio encoder takes."""
+    mismatched = [(what, ours, theirs) for what, ours, theirs in (
+        ("sampling rate", audio.sampling_rate, feature_extractor.sampling_rate),
+        ("mel bins", audio.feature_size, feature_extractor.feature_size),
+        ("hop length", audio.hop_length, feature_extractor.hop_length)) if int(ours) != int(theirs)]
+    if mismatched:
+        raise CheckpointError(f"{name}: the feature extractor does not match the audio encoder: " + ", ".join(
+            f"{what} {theirs} != {ours}" for what, ours, theirs in mismatched) + "; make the folder's "
+            "feature extractor settings match config.json's audio_config")
 
 
 def dots3_note_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> Dots3NoteAdapter:
@@ -139,10 +94,13 @@ def dots3_note_from_folder(folder: Path, device: torch.device, dtype: torch.dtyp
         part._attn_implementation = "sdpa"
     model = load_vision_part(folder, Dots3NoteModel, config, torch.device("cpu"), dtype)
     try:
-        return Dots3NoteAdapter(folder.name, model.vision_tower, model.audio_tower, config,
-                                AutoImageProcessor.from_pretrained(folder),
-                                load_video_processor(folder, default="Qwen3VLVideoProcessor"),
-                                AutoFeatureExtractor.from_pretrained(folder), device, dtype)
+        extractor = AutoFeatureExtractor.from_pretrained(folder)
+        processor = Dots3NoteProcessor(AutoImageProcessor.from_pretrained(folder),
+                                       load_video_processor(folder, default="Qwen3VLVideoProcessor"), extractor,
+                                       int(config.audio_config.samples_per_token))
+        check_grid(processor, model.vision_tower.config)
+        check_audio(folder.name, config.audio_config, extractor)
+        return Dots3NoteAdapter(folder.name, model.vision_tower, model.audio_tower, config, processor, device, dtype)
     except (OSError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise

@@ -19,62 +19,26 @@ with `k * k = mm_tokens_per_image`. Image only. Tensor parallel: the SigLIP bloc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from encode_server.models.base import ItemLayout, PreparedBatch
 from encode_server.models.family import Family
 from encode_server.models.loading.checkpoint import CheckpointError
-from encode_server.models.towers.vision_parts import (
-    VisionPartAdapter,
-    as_images,
-    init_default,
-    load_vision_part,
-    processor_settings,
-)
-
-PAN_AND_SCAN_KEYS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
-                     "pan_and_scan_min_ratio_to_activate")
+from encode_server.models.towers.vision_parts import VisionPartAdapter, load_vision_part
+from processors.base import PreparedBatch
+from processors.families.gemma3 import PAN_AND_SCAN_KEYS, Gemma3Processor
+from processors.vision_part import init_default, processor_settings
 
 
 class Gemma3Adapter(VisionPartAdapter):
     """Runs `Gemma3Model.get_image_features` (vision part only) on images and their pan-and-scan crops."""
 
-    def __init__(self, name: str, model: torch.nn.Module, config: Any, image_processor: Any,
-                 images_kwargs: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(name, "gemma3", model, config.text_config.hidden_size, device, dtype)
-        self.image_processor = image_processor
-        self.images_kwargs = dict(images_kwargs)
-        self.tokens_per_image = int(config.mm_tokens_per_image)
-        self.side = int(self.tokens_per_image**0.5)
-
-    def crops(self, width: int, height: int) -> int:
-        """How many pan-and-scan crops the processor adds for an image of this size (the library's own rule)."""
-        if not self.images_kwargs.get("do_pan_and_scan"):
-            return 0
-        # The rule reads only the image's shape; a broadcast view costs no memory. The PIL backend's rule
-        # takes an array, the torchvision backend's (what transformers picks where torchvision is) a tensor.
-        settings = {key: self.images_kwargs[key] for key in PAN_AND_SCAN_KEYS[1:]}
-        if hasattr(self.image_processor, "pan_and_scan"):
-            return len(self.image_processor.pan_and_scan(image=np.broadcast_to(np.uint8(0), (3, height, width)),
-                                                         **settings))
-        return len(self.image_processor.pan_and_scan_batched(torch.zeros(1).expand(3, height, width), **settings))
-
-    def _layout(self, crops: int) -> ItemLayout:
-        return ItemLayout(tokens=self.tokens_per_image * (1 + crops), grid_thw=(1 + crops, self.side, self.side))
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        (image,) = as_images([item])
-        return self._layout(self.crops(*image.size))
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        processed = self.image_processor(images=as_images(items), return_tensors="pt", **self.images_kwargs)
-        return PreparedBatch(modality=modality, inputs={"pixel_values": processed["pixel_values"]},
-                             layouts=[self._layout(int(n)) for n in processed["num_crops"]])
+    def __init__(self, name: str, model: torch.nn.Module, config: Any, processor: Gemma3Processor,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(name, "gemma3", model, config.text_config.hidden_size, processor, device, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -103,21 +67,22 @@ def gemma3_from_folder(folder: Path, device: torch.device, dtype: torch.dtype,
                        processor_kwargs: Mapping[str, Any] | None = None) -> Gemma3Adapter:
     """The vision part of a Gemma 3 checkpoint; `processor_kwargs` are call-time processor kwargs, as on prefill."""
     from transformers import AutoConfig, AutoImageProcessor, Gemma3Model
-    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor as FullProcessor
 
     config = AutoConfig.from_pretrained(folder)
     image_processor = AutoImageProcessor.from_pretrained(folder)
     settings = processor_settings(folder)
-    image_seq_length = int(settings.get("image_seq_length", init_default(Gemma3Processor.__init__,
+    image_seq_length = int(settings.get("image_seq_length", init_default(FullProcessor.__init__,
                                                                          "image_seq_length")))
     check_consistent(config, image_seq_length, image_processor)
     unknown = set(processor_kwargs or {}) - set(PAN_AND_SCAN_KEYS) - {"do_convert_rgb"}
     if unknown:
         raise CheckpointError(f"gemma3: unsupported processor kwargs {sorted(unknown)}")
     # The full processor's precedence: image processor config < processor images_kwargs < call kwargs.
-    images_kwargs = {**Gemma3Processor.images_kwargs, **(processor_kwargs or {})}
+    images_kwargs = {**FullProcessor.images_kwargs, **(processor_kwargs or {})}
     model = load_vision_part(folder, Gemma3Model, config, device, dtype)
-    return Gemma3Adapter(folder.name, model, config, image_processor, images_kwargs, device, dtype)
+    processor = Gemma3Processor(image_processor, images_kwargs, int(config.mm_tokens_per_image))
+    return Gemma3Adapter(folder.name, model, config, processor, device, dtype)
 
 
 def shard_gemma3(adapter: Any, mesh: Any) -> None:

@@ -23,14 +23,9 @@ import torch
 
 from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.family import Family
-from encode_server.models.inputs.video_patches import VideoPatcher
-from encode_server.models.towers.grid_vision import (
-    GridVisionAdapter,
-    ImageSize,
-    load_grid_tower,
-    resize_rule,
-    shard_grid_blocks,
-)
+from encode_server.models.towers.grid_vision import GridVisionAdapter, grid_adapter, load_grid_tower, shard_grid_blocks
+from processors.grid import GridProcessor, glm4v_image_size_of
+from processors.video_patches import VideoPatcher
 
 BUILTIN_SEED = 1234
 
@@ -50,29 +45,12 @@ def run_glm4v_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Te
     return tower(pixels, grid_thw=grid).pooler_output
 
 
-def _glm4v_size(height: int, width: int, *, temporal: int, factor: int, min_pixels: int,
-                max_pixels: int) -> tuple[int, int]:
-    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
-
-    return smart_resize(num_frames=temporal, height=height, width=width, temporal_factor=temporal, factor=factor,
-                        min_pixels=min_pixels, max_pixels=max_pixels)
-
-
-def image_size_of(image_processor: Any) -> ImageSize:
-    """How `Glm4vImageProcessorPil.resize` sizes an image (as `temporal_patch_size` identical frames)."""
-    size = image_processor.size
-    return resize_rule(_glm4v_size, image_processor, temporal=int(image_processor.temporal_patch_size),
-                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
-                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
-
-
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
                   device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
     info = ModelInfo(name=name, family="glm4v", modalities=("image", "video"),
                      hidden_size=int(tower.config.out_hidden_size))
-    video = VideoPatcher(video_processor)
-    return GridVisionAdapter(info, tower, image_processor, video, image_size_of(image_processor), run_glm4v_tower,
-                             device, dtype)
+    processor = GridProcessor(image_processor, VideoPatcher(video_processor), glm4v_image_size_of(image_processor))
+    return grid_adapter(info, tower, processor, run_glm4v_tower, device, dtype)
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

@@ -4,7 +4,8 @@ The tower (`Glm5NextVisionModel`) has GLM-4V's interface and shape: `patch x pat
 a Conv3d over `temporal_patch_size` frames, blocks with a fused `qkv` (plus per-head q/k RMS norms) and a
 gated MLP, a strided-convolution downsample and a merger, so every `merge x merge` patches become one row of
 `out_hidden_size`: `t * h * w / merge^2` rows per item. Its positions are 2-D rope only (no learned grid).
-`GridVisionAdapter` (`towers/grid_vision.py`) runs it as it runs GLM-4V's, and the tensor-parallel plan
+`GridVisionAdapter` (`towers/grid_vision.py`) runs it, on what
+`processors/families/glm5_next.py` prepares, as it runs GLM-4V's, and the tensor-parallel plan
 is GLM-4V's.
 
 What `Glm5NextModel.get_image_features` / `get_video_features` are given, we give it:
@@ -21,7 +22,6 @@ The prompt the prefill side builds fills a video's frames with image tokens, eac
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,68 +30,20 @@ import torch
 from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.families.glm4v import run_glm4v_tower
 from encode_server.models.family import Family
-from encode_server.models.inputs.torchvision_processors import ClipVideo, load_processors
-from encode_server.models.towers.grid_vision import (
-    GridVisionAdapter,
-    ImageSize,
-    load_grid_tower,
-    shard_grid_blocks,
-    unchanged_size,
-)
+from encode_server.models.towers.grid_vision import GridVisionAdapter, grid_adapter, load_grid_tower, shard_grid_blocks
+from processors.families.glm5_next import glm5_next_processor
+from processors.torchvision_processors import load_processors
 
 _TOWERS = {"glm5_next": ("glm5_next.configuration_glm5_next.Glm5NextConfig",
                          "glm5_next.modeling_glm5_next.Glm5NextVisionModel")}
-
-
-def _canvas(height: int, width: int, *, frames: int, temporal: int, factor: int, min_tokens: int,
-            max_tokens: int) -> tuple[int, int]:
-    from transformers.models.glm5_next.image_processing_pil_glm5_next import smart_resize
-
-    return smart_resize(num_frames=frames, height=height, width=width, temporal_factor=temporal, factor=factor,
-                        min_pixels=min_tokens, max_pixels=max_tokens)
-
-
-def _factor(processor: Any) -> int:
-    # The torchvision backends size by whole patches of `patch_expand_factor` merged patches; the PIL one by merged
-    # patches (the two agree at the published `patch_expand_factor` of 1).
-    expand = 1 if type(processor).__name__.endswith("Pil") else int(getattr(processor, "patch_expand_factor", 1))
-    return int(processor.patch_size) * int(processor.merge_size) * expand
-
-
-def image_size_of(image_processor: Any) -> ImageSize:
-    """The canvas `Glm5NextImageProcessor.resize` puts an image on (the image resized into it, then padded)."""
-    if not image_processor.do_resize:
-        return unchanged_size
-    temporal = int(image_processor.temporal_patch_size)
-    return functools.partial(_canvas, frames=temporal, temporal=temporal, factor=_factor(image_processor),
-                             min_tokens=int(image_processor.min_image_tokens),
-                             max_tokens=int(image_processor.max_image_tokens))
-
-
-def _clip_grid(frames: int, height: int, width: int, *, patch: int, temporal: int, canvas: Any) -> tuple[int, int, int]:
-    if canvas is not None:
-        height, width = canvas(height, width, frames=frames)
-    return -(-frames // temporal), height // patch, width // patch
-
-
-def clip_grid_of(video_processor: Any) -> Any:
-    """`Glm5NextVideoProcessor`'s grid for a clip: one canvas over the whole clip's frames."""
-    temporal = int(video_processor.temporal_patch_size)
-    canvas = None
-    if video_processor.do_resize:
-        canvas = functools.partial(_canvas, temporal=temporal, factor=_factor(video_processor),
-                                   min_tokens=int(video_processor.min_image_tokens),
-                                   max_tokens=int(video_processor.max_image_tokens))
-    return functools.partial(_clip_grid, patch=int(video_processor.patch_size), temporal=temporal, canvas=canvas)
 
 
 def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video_processor: Any,
                   device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
     info = ModelInfo(name=name, family="glm5_next", modalities=("image", "video"),
                      hidden_size=int(tower.config.out_hidden_size))
-    video = ClipVideo(video_processor, clip_grid_of(video_processor))
-    return GridVisionAdapter(info, tower, image_processor, video, image_size_of(image_processor), run_glm4v_tower,
-                             device, dtype)
+    return grid_adapter(info, tower, glm5_next_processor(image_processor, video_processor), run_glm4v_tower,
+                        device, dtype)
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

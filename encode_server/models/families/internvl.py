@@ -14,20 +14,16 @@ patch grid of one tile, so that `tokens = tiles * h * w * downsample_ratio^2`, j
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
-from encode_server.models.base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.builtin import seeded
 from encode_server.models.family import Family
-
-#: What `InternVLProcessor` passes its image processor on every call (its `images_kwargs`), whatever the folder's
-#: image processor config says: the prefill side tiles every image, so the rows are per tile.
-FULL_PROCESSOR_CALL = {"crop_to_patches": True}
+from processors.base import PreparedBatch
+from processors.families.internvl import InternVLProcessor
 
 
 def pixel_shuffle(features: torch.Tensor, scale_factor: float) -> torch.Tensor:
@@ -44,10 +40,10 @@ class InternVLAdapter(EncoderAdapter):
     """Runs an `InternVLVisionModel` plus `InternVLMultiModalProjector` on the tiles of images."""
 
     def __init__(self, name: str, vision_tower: torch.nn.Module, projector: torch.nn.Module, config: Any,
-                 image_processor: Any, device: torch.device, dtype: torch.dtype) -> None:
+                 processor: InternVLProcessor, device: torch.device, dtype: torch.dtype) -> None:
         self.encoder = torch.nn.ModuleDict({"vision_tower": vision_tower, "multi_modal_projector": projector})
         self.encoder.to(device=device, dtype=dtype).eval()
-        self.image_processor = image_processor
+        self.processor = processor
         self.device = device
         self.dtype = dtype
         self.downsample_ratio = float(config.downsample_ratio)
@@ -55,36 +51,8 @@ class InternVLAdapter(EncoderAdapter):
         if not isinstance(self.feature_layer, int):
             raise ValueError(f"vision_feature_layer {self.feature_layer!r}: only a single layer is supported")
         self.drop_cls = config.vision_feature_select_strategy == "default"
-        vision = config.vision_config
-        image_size = vision.image_size if isinstance(vision.image_size, (list, tuple)) else [vision.image_size] * 2
-        patch_size = vision.patch_size if isinstance(vision.patch_size, (list, tuple)) else [vision.patch_size] * 2
-        self.patch_grid = (int(image_size[0]) // int(patch_size[0]), int(image_size[1]) // int(patch_size[1]))
-        self.tokens_per_tile = int(self.patch_grid[0] * self.patch_grid[1] * self.downsample_ratio**2)
-        tile = image_processor.size
-        if (int(tile.height), int(tile.width)) != (int(image_size[0]), int(image_size[1])):
-            raise ValueError(f"processor tiles of {tile.height}x{tile.width} do not match the tower's input "
-                             f"size {image_size[0]}x{image_size[1]}")
         self.info = ModelInfo(name=name, family="internvl", modalities=("image",),
                               hidden_size=int(config.text_config.hidden_size))
-
-    def sample_item(self) -> tuple[str, Any]:
-        return "image", Image.new("RGB", (64, 64), (128, 128, 128))
-
-    def _layout(self, tiles: int) -> ItemLayout:
-        return ItemLayout(tokens=tiles * self.tokens_per_tile, grid_thw=(tiles, *self.patch_grid))
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if not isinstance(item, Image.Image):
-            raise ItemError(f"expected an image, got {type(item).__name__}")
-        width, height = item.size
-        return self._layout(int(self.image_processor.get_number_of_image_patches(height, width,
-                                                                                  dict(FULL_PROCESSOR_CALL))))
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        processed = self.image_processor(images=list(items), return_tensors="pt", **FULL_PROCESSOR_CALL)
-        tiles = [int(n) for n in processed["num_patches"]]
-        return PreparedBatch(modality=modality, layouts=[self._layout(n) for n in tiles],
-                             inputs={"pixel_values": processed["pixel_values"]})
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -101,6 +69,20 @@ class InternVLAdapter(EncoderAdapter):
         features = pixel_shuffle(features.reshape(tiles, side, side, -1), self.downsample_ratio)
         rows = projector(features.reshape(tiles, -1, features.shape[-1]))
         return rows.reshape(-1, rows.shape[-1]).to("cpu").contiguous()
+
+
+def internvl_processor(config: Any, image_processor: Any) -> InternVLProcessor:
+    """The tiles' processor, after checking that the image processor's tiles are the tower's input size."""
+    vision = config.vision_config
+    image_size = vision.image_size if isinstance(vision.image_size, (list, tuple)) else [vision.image_size] * 2
+    patch_size = vision.patch_size if isinstance(vision.patch_size, (list, tuple)) else [vision.patch_size] * 2
+    patch_grid = (int(image_size[0]) // int(patch_size[0]), int(image_size[1]) // int(patch_size[1]))
+    tile = image_processor.size
+    if (int(tile.height), int(tile.width)) != (int(image_size[0]), int(image_size[1])):
+        raise ValueError(f"processor tiles of {tile.height}x{tile.width} do not match the tower's input "
+                         f"size {image_size[0]}x{image_size[1]}")
+    tokens_per_tile = int(patch_grid[0] * patch_grid[1] * float(config.downsample_ratio)**2)
+    return InternVLProcessor(image_processor, patch_grid, tokens_per_tile)
 
 
 def build_internvl_encoder(config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -120,7 +102,7 @@ def internvl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype)
     config = InternVLConfig.from_pretrained(folder)
     modules = load_encoder_modules(folder, lambda: dict(zip(("vision_tower", "multi_modal_projector"),
                                                             build_internvl_encoder(config))))
-    processor = AutoImageProcessor.from_pretrained(folder)
+    processor = internvl_processor(config, AutoImageProcessor.from_pretrained(folder))
     return InternVLAdapter(folder.name, modules["vision_tower"], modules["multi_modal_projector"], config,
                            processor, device, dtype)
 
@@ -147,8 +129,8 @@ def tiny_internvl(device: torch.device, dtype: torch.dtype) -> InternVLAdapter:
         size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=6,
         image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
     )
-    return InternVLAdapter("tiny-internvl", vision_tower.float(), projector.float(), config, processor,
-                           device, dtype)
+    return InternVLAdapter("tiny-internvl", vision_tower.float(), projector.float(), config,
+                           internvl_processor(config, processor), device, dtype)
 
 
 def shard_internvl(adapter: InternVLAdapter, mesh: Any) -> None:

@@ -26,82 +26,43 @@ MLP (`fc1` by columns, `fc2` by rows) are split; patch embedding, norms and proj
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from encode_server.models.base import ItemError, ItemLayout, ModelInfo, PreparedBatch
+from encode_server.models.base import ModelInfo
 from encode_server.models.family import Family
-from encode_server.models.inputs.torchvision_processors import check_clip, load_processors, process_clip
 from encode_server.models.layers.packed_attention import use_packed_attention_in_layers
 from encode_server.models.loading.checkpoint import CheckpointError
-from encode_server.models.towers.vision_parts import VisionPartAdapter, as_images, load_vision_part
-
-
-def _patch_grid(processor: Any, height: int, width: int) -> tuple[int, int]:
-    """The `(h, w)` patch grid the processor makes of a frame: `navit_resize` into its budget, then padding."""
-    from transformers.models.kimi_k25.image_processing_kimi_k25 import navit_resize
-
-    patch, merge = int(processor.patch_size), int(processor.merge_size)
-    if processor.do_resize:
-        _, (height, width) = navit_resize(height, width, patch_size=patch, merge_kernel_size=merge,
-                                          max_patches=int(processor.max_patches),
-                                          max_size_per_side=int(processor.size.max_height))
-    elif height % (patch * merge) or width % (patch * merge):
-        raise ItemError(f"a {width}x{height} image is not whole {patch * merge}-pixel merged patches and the "
-                        "processor does not resize")
-    return height // patch, width // patch
+from encode_server.models.towers.vision_parts import VisionPartAdapter, load_vision_part
+from processors.base import PreparedBatch
+from processors.families.kimi_k25 import KimiK25Processor
+from processors.torchvision_processors import load_processors
 
 
 class KimiK25Adapter(VisionPartAdapter):
     """Runs `Kimi_K25Model.get_image_features` (vision tower + projector) on fused images or video chunks."""
 
-    def __init__(self, name: str, model: torch.nn.Module, config: Any, image_processor: Any, video_processor: Any,
+    def __init__(self, name: str, model: torch.nn.Module, config: Any, processor: KimiK25Processor,
                  device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(name, "kimi_k25", model, config.text_config.hidden_size, device, dtype)
+        super().__init__(name, "kimi_k25", model, config.text_config.hidden_size, processor, device, dtype)
         self.info = ModelInfo(name=name, family="kimi_k25", modalities=("image", "video"),
                               hidden_size=int(config.text_config.hidden_size))
         self.packed_attention = use_packed_attention_in_layers(self.model.vision_tower, "attn")
-        self.image_processor = image_processor
-        self.video_processor = video_processor
-        vision = config.vision_config
-        merge = tuple(int(k) for k in vision.merge_kernel_size)
-        for what, processor in (("image", image_processor), ("video", video_processor)):
-            if int(processor.patch_size) != int(vision.patch_size) or (int(processor.merge_size),) * 2 != merge:
-                raise CheckpointError(f"kimi_k25: the {what} processor (patch {processor.patch_size}, merge "
-                                      f"{processor.merge_size}) does not match the vision tower (patch "
-                                      f"{vision.patch_size}, merge kernel {list(merge)})")
+        merge = tuple(int(k) for k in config.vision_config.merge_kernel_size)
         self.merge_area = merge[0] * merge[1]
-        self.chunk_frames = int(video_processor.temporal_patch_size)
 
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if modality == "video":
-            frames = check_clip(item)
-            width, height = frames[0].size
-            grid = (-(-len(frames) // self.chunk_frames), *_patch_grid(self.video_processor, height, width))
-        else:
-            (image,) = as_images([item])
-            width, height = image.size
-            grid = (1, *_patch_grid(self.image_processor, height, width))
-        return ItemLayout(tokens=grid[0] * grid[1] * grid[2] // self.merge_area, grid_thw=grid)
 
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        layouts = [self.item_layout(modality, item) for item in items]  # one bad item must not fail the call
-        if modality == "video":
-            clips = [process_clip(self.video_processor, frames) for frames in items]
-            pixels = torch.cat([clip["pixel_values_videos"] for clip in clips])
-            grid = torch.cat([clip["video_grid_thw"] for clip in clips])  # one row per chunk
-            got = [(len(clip["video_grid_thw"]), *clip["video_grid_thw"][0, 1:].tolist()) for clip in clips]
-        else:
-            processed = self.image_processor(images=list(items), return_tensors="pt")
-            pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
-            got = [tuple(row) for row in grid.tolist()]
-        if got != [layout.grid_thw for layout in layouts]:
-            raise RuntimeError(f"kimi_k25: the {modality} processor gave grids {got} where its sizing rule says "
-                               f"{[layout.grid_thw for layout in layouts]}")
-        return PreparedBatch(modality=modality, inputs={"pixel_values": pixels, "grid_thw": grid}, layouts=layouts)
+def check_consistent(config: Any, image_processor: Any, video_processor: Any) -> None:
+    """Refuse processors whose patches or merging are not the vision tower's."""
+    vision = config.vision_config
+    merge = tuple(int(k) for k in vision.merge_kernel_size)
+    for what, processor in (("image", image_processor), ("video", video_processor)):
+        if int(processor.patch_size) != int(vision.patch_size) or (int(processor.merge_size),) * 2 != merge:
+            raise CheckpointError(f"kimi_k25: the {what} processor (patch {processor.patch_size}, merge "
+                                  f"{processor.merge_size}) does not match the vision tower (patch "
+                                  f"{vision.patch_size}, merge kernel {list(merge)})")
 
     def _rows(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """The tower and projector on packed items or chunks of one frame count: `get_image_features` before its
@@ -138,7 +99,9 @@ def kimi_k25_from_folder(folder: Path, device: torch.device, dtype: torch.dtype)
     image_processor, video_processor = load_processors(folder, "kimi_k25")
     config = AutoConfig.from_pretrained(folder)
     model = load_vision_part(folder, Kimi_K25Model, config, device, dtype)
-    return KimiK25Adapter(folder.name, model, config, image_processor, video_processor, device, dtype)
+    check_consistent(config, image_processor, video_processor)
+    return KimiK25Adapter(folder.name, model, config, KimiK25Processor(image_processor, video_processor), device,
+                          dtype)
 
 
 def shard_kimi_k25(adapter: KimiK25Adapter, mesh: Any) -> None:

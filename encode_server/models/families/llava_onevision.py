@@ -27,83 +27,25 @@ parallel: the SigLIP/CLIP blocks are sharded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from encode_server.models.base import ItemLayout, PreparedBatch
 from encode_server.models.family import Family
 from encode_server.models.loading.checkpoint import CheckpointError
-from encode_server.models.towers.vision_parts import (
-    VisionPartAdapter,
-    as_images,
-    init_default,
-    load_vision_part,
-    processor_settings,
-)
-
-
-def placeholder_counter(image_processor: Any, num_image_tokens: int, vision_aspect_ratio: str,
-                        vision_feature_select_strategy: str | None) -> Any:
-    """The full processor's image-token count, with its own methods, without building it (its video half needs
-    torchvision)."""
-    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
-
-    class PlaceholderCounter:
-        _get_number_of_features = LlavaOnevisionProcessor._get_number_of_features
-        _get_unpadded_features = LlavaOnevisionProcessor._get_unpadded_features
-
-        def __init__(self) -> None:
-            self.image_processor = image_processor
-            self.num_image_tokens = num_image_tokens
-            self.vision_aspect_ratio = vision_aspect_ratio
-            size = image_processor.size
-            self.tile = (int(size.height), int(size.width)) if size.height else (int(size.shortest_edge),) * 2
-
-        def __call__(self, height: int, width: int) -> int:
-            # As `replace_image_token` in single-image mode: the processed tile size is the processor's `size`.
-            count = self._get_number_of_features(height, width, *self.tile)
-            return count - 1 if vision_feature_select_strategy == "default" else count
-
-    return PlaceholderCounter()
+from encode_server.models.towers.vision_parts import VisionPartAdapter, load_vision_part
+from processors.base import PreparedBatch
+from processors.families.llava_onevision import LlavaOnevisionProcessor, PlaceholderCounter
+from processors.vision_part import init_default, processor_settings
 
 
 class LlavaOnevisionAdapter(VisionPartAdapter):
     """Runs `LlavaOnevisionModel.get_image_features` (vision part only) on anyres-tiled images."""
 
-    def __init__(self, name: str, model: torch.nn.Module, config: Any, image_processor: Any, counter: Any,
+    def __init__(self, name: str, model: torch.nn.Module, config: Any, processor: LlavaOnevisionProcessor,
                  device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(name, "llava_onevision", model, config.text_config.hidden_size, device, dtype)
-        self.image_processor = image_processor
-        self.count_placeholders = counter
-        self.grid_pinpoints = [list(p) for p in config.image_grid_pinpoints]
-        self.tile_size = int(config.vision_config.image_size)
-        self.patch_grid = self.tile_size // int(config.vision_config.patch_size)
-
-    def tiles(self, height: int, width: int) -> int:
-        """Tiles (base included) the model takes for an image of this size, by the model's own rule."""
-        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
-
-        return int(image_size_to_num_patches([height, width], self.grid_pinpoints, self.tile_size))
-
-    def _layout(self, height: int, width: int) -> ItemLayout:
-        return ItemLayout(tokens=int(self.count_placeholders(height, width)),
-                          grid_thw=(self.tiles(height, width), self.patch_grid, self.patch_grid))
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        (image,) = as_images([item])
-        width, height = image.size
-        return self._layout(height, width)
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        processed = self.image_processor(images=as_images(items), return_tensors="pt")
-        sizes = processed["image_sizes"]
-        layouts = [self._layout(int(h), int(w)) for h, w in sizes.tolist()]
-        # Drop the processor's per-batch padding of the tile dimension: each item keeps its own tiles.
-        tiles = torch.cat([pixels[:layout.grid_thw[0]] for pixels, layout in zip(processed["pixel_values"], layouts)])
-        return PreparedBatch(modality=modality, inputs={"pixel_values": tiles, "image_sizes": sizes}, layouts=layouts)
+        super().__init__(name, "llava_onevision", model, config.text_config.hidden_size, processor, device, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -147,18 +89,20 @@ def num_image_tokens(config: Any, settings: dict[str, Any]) -> int:
 def llava_onevision_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> LlavaOnevisionAdapter:
     """The vision part (tower, projector, `image_newline`) of a LLaVA-OneVision checkpoint."""
     from transformers import AutoConfig, AutoImageProcessor, LlavaOnevisionModel
-    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor as Full
 
     config = AutoConfig.from_pretrained(folder)
     image_processor = AutoImageProcessor.from_pretrained(folder)
     settings = processor_settings(folder)
     aspect_ratio = settings.get("vision_aspect_ratio",
-                                init_default(LlavaOnevisionProcessor.__init__, "vision_aspect_ratio"))
+                                init_default(Full.__init__, "vision_aspect_ratio"))
     strategy = settings.get("vision_feature_select_strategy")
     check_consistent(config, image_processor, settings, aspect_ratio, strategy)
-    counter = placeholder_counter(image_processor, num_image_tokens(config, settings), aspect_ratio, strategy)
+    counter = PlaceholderCounter(image_processor, num_image_tokens(config, settings), aspect_ratio, strategy)
+    processor = LlavaOnevisionProcessor(image_processor, counter, [list(p) for p in config.image_grid_pinpoints],
+                                        int(config.vision_config.image_size), int(config.vision_config.patch_size))
     model = load_vision_part(folder, LlavaOnevisionModel, config, device, dtype)
-    return LlavaOnevisionAdapter(folder.name, model, config, image_processor, counter, device, dtype)
+    return LlavaOnevisionAdapter(folder.name, model, config, processor, device, dtype)
 
 
 def shard_llava_onevision(adapter: Any, mesh: Any) -> None:

@@ -27,23 +27,17 @@ Pixtral blocks are sharded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from encode_server.models.base import ItemLayout, PreparedBatch
 from encode_server.models.family import Family
 from encode_server.models.loading.checkpoint import CheckpointError
-from encode_server.models.towers.vision_parts import (
-    VisionPartAdapter,
-    as_images,
-    load_vision_part,
-    processor_settings,
-    source_init_defaults,
-)
+from encode_server.models.towers.vision_parts import VisionPartAdapter, load_vision_part
+from processors.base import PreparedBatch
+from processors.families.mistral3 import Mistral3Processor
+from processors.vision_part import processor_settings, source_init_defaults
 
 MAX_PATCHES_PER_FORWARD = 4096  # bounds the tower's patches^2 attention mask per forward
 
@@ -51,52 +45,10 @@ MAX_PATCHES_PER_FORWARD = 4096  # bounds the tower's patches^2 attention mask pe
 class Mistral3Adapter(VisionPartAdapter):
     """Runs `Mistral3Model.get_image_features` (vision part only) on images at their own (resized) size."""
 
-    def __init__(self, name: str, model: torch.nn.Module, config: Any, image_processor: Any, merged_patch: int,
+    def __init__(self, name: str, model: torch.nn.Module, config: Any, processor: Mistral3Processor,
                  device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(name, "mistral3", model, config.text_config.hidden_size, device, dtype)
-        self.image_processor = image_processor
-        self.merged_patch = merged_patch  # pixels per side of one row's square (patch_size * spatial_merge_size)
+        super().__init__(name, "mistral3", model, config.text_config.hidden_size, processor, device, dtype)
         self.tower_patch = int(config.vision_config.patch_size)
-
-    def resized(self, height: int, width: int) -> tuple[int, int]:
-        """The processed image's size, by the image processor's own rule."""
-        from transformers.image_utils import ChannelDimension
-        from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
-
-        if not self.image_processor.do_resize:
-            return height, width
-        size = self.image_processor.size
-        edges = (size.longest_edge, size.longest_edge) if size.longest_edge else (size.height, size.width)
-        shape_only = np.broadcast_to(np.uint8(0), (3, height, width))  # the rule reads only the shape
-        return get_resize_output_image_size(shape_only, size=edges, patch_size=(self.merged_patch,) * 2,
-                                            input_data_format=ChannelDimension.FIRST)
-
-    def _layout(self, height: int, width: int) -> ItemLayout:
-        rows, columns = height // self.merged_patch, width // self.merged_patch
-        return ItemLayout(tokens=rows * columns, grid_thw=(1, rows, columns))
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        (image,) = as_images([item])
-        width, height = image.size
-        return self._layout(*self.resized(height, width))
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        patch = {"height": self.merged_patch, "width": self.merged_patch}
-        processed = self.image_processor(images=as_images(items), patch_size=patch, return_tensors="pt")
-        sizes = processed["image_sizes"]
-        inputs = {"pixel_values": processed["pixel_values"], "image_sizes": sizes}
-        return PreparedBatch(modality=modality, inputs=inputs,
-                             layouts=[self._layout(int(h), int(w)) for h, w in sizes.tolist()])
-
-    def collate(self, batches: Sequence[PreparedBatch]) -> PreparedBatch:
-        """Per-item batches fused as one processor call would: zero-padded to the largest height and width."""
-        pixels = [batch.inputs["pixel_values"] for batch in batches]
-        height, width = max(p.shape[-2] for p in pixels), max(p.shape[-1] for p in pixels)
-        padded = [torch.nn.functional.pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in pixels]
-        return PreparedBatch(modality=batches[0].modality,
-                             inputs={"pixel_values": torch.cat(padded),
-                                     "image_sizes": torch.cat([batch.inputs["image_sizes"] for batch in batches])},
-                             layouts=[layout for batch in batches for layout in batch.layouts])
 
     def groups(self, sizes: list[list[int]]) -> list[list[int]]:
         """Item indices in forward groups of at most MAX_PATCHES_PER_FORWARD tower patches."""
@@ -147,7 +99,7 @@ def mistral3_from_folder(folder: Path, device: torch.device, dtype: torch.dtype)
     image_processor = AutoImageProcessor.from_pretrained(folder)
     merged = merged_patch_size(config, processor_settings(folder))
     model = load_vision_part(folder, Mistral3Model, config, device, dtype)
-    return Mistral3Adapter(folder.name, model, config, image_processor, merged, device, dtype)
+    return Mistral3Adapter(folder.name, model, config, Mistral3Processor(image_processor, merged), device, dtype)
 
 
 def shard_mistral3(adapter: Any, mesh: Any) -> None:

@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from encode_server.models.families.qwen2_audio import audio_output_rows
 from encode_server.models.family import Family
-from encode_server.models.towers.omni_audio import OmniAudioRule
 from encode_server.models.towers.omni_thinker import (
     OmniSpec,
     OmniThinkerAdapter,
@@ -34,19 +32,7 @@ from encode_server.models.towers.omni_thinker import (
     load_omni_thinker,
     shard_audio_tower,
 )
-
-
-class Qwen25OmniAudioRule(OmniAudioRule):
-    """`Qwen2_5OmniProcessor`'s audio: padded to the window, `ceil(samples / hop)` frames (at most the window's)."""
-
-    padding = "max_length"
-    truncates = True
-
-    def frames(self, samples: int, feature_extractor: Any) -> int:
-        return min(-(-samples // int(feature_extractor.hop_length)), int(feature_extractor.nb_max_frames))
-
-    def rows(self, frames: int) -> int:
-        return audio_output_rows(frames)
+from processors.families.qwen_omni import Qwen25OmniAudioRule
 
 
 def run_tower(tower: torch.nn.Module, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
@@ -89,8 +75,7 @@ def tiny_qwen25_omni(device: torch.device, dtype: torch.dtype) -> OmniThinkerAda
     from transformers import WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from encode_server.models.inputs.video_patches import qwen2_vl_video_settings_class
-    from encode_server.models.towers.omni_thinker import VideoPatcher
+    from processors.video_patches import VideoPatcher, qwen2_vl_video_settings_class
 
     vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
                   out_hidden_size=128, patch_size=14, spatial_merge_size=2,

@@ -21,14 +21,15 @@ import torch
 from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.builtin import seeded
 from encode_server.models.family import Family
-from encode_server.models.inputs.video_patches import VideoPatcher, qwen2_vl_video_settings_class
 from encode_server.models.towers.grid_vision import (
     GridVisionAdapter,
+    grid_adapter,
     load_grid_tower,
-    qwen_image_size_of,
     run_qwen_tower,
     shard_grid_blocks,
 )
+from processors.grid import GridProcessor, qwen_image_size_of
+from processors.video_patches import VideoPatcher, qwen2_vl_video_settings_class
 
 #: model_type -> (config class, vision tower class), both under `transformers.models`.
 _TOWERS = {
@@ -47,8 +48,8 @@ def build_adapter(name: str, family: str, tower: torch.nn.Module, image_processo
     # Qwen2.5-VL names the merger's output width `out_hidden_size`; Qwen2-VL calls it `hidden_size`.
     width = getattr(config, "out_hidden_size", None) or config.hidden_size
     info = ModelInfo(name=name, family=family, modalities=("image", "video"), hidden_size=int(width))
-    return GridVisionAdapter(info, tower, image_processor, VideoPatcher(video_processor),
-                             qwen_image_size_of(image_processor), run_qwen_tower, device, dtype)
+    processor = GridProcessor(image_processor, VideoPatcher(video_processor), qwen_image_size_of(image_processor))
+    return grid_adapter(info, tower, processor, run_qwen_tower, device, dtype)
 
 
 def load_qwen_vision(folder: Path, device: torch.device, dtype: torch.dtype, family: str) -> EncoderAdapter:

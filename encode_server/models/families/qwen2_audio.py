@@ -10,70 +10,30 @@ padded to the same window, so a clip's rows do not depend on its batch neighbour
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from encode_server.models.base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.builtin import seeded
 from encode_server.models.family import Family
-
-
-def audio_output_rows(frames: int) -> int:
-    """Rows the audio tower yields for `frames` mel frames (conv stride 2, then avg-pool 2)."""
-    after_conv = (frames - 1) // 2 + 1
-    return max(0, (after_conv - 2) // 2 + 1)
+from processors.base import PreparedBatch
+from processors.families.qwen2_audio import QwenAudioProcessor
 
 
 class QwenAudioAdapter(EncoderAdapter):
-    """Runs a `Qwen2AudioEncoder` plus `Qwen2AudioMultiModalProjector` on waveforms."""
+    """Runs a `Qwen2AudioEncoder` plus `Qwen2AudioMultiModalProjector` on what `QwenAudioProcessor` prepares."""
 
     def __init__(self, name: str, audio_tower: torch.nn.Module, projector: torch.nn.Module, config: Any,
-                 feature_extractor: Any, device: torch.device, dtype: torch.dtype) -> None:
+                 processor: QwenAudioProcessor, device: torch.device, dtype: torch.dtype) -> None:
         self.encoder = torch.nn.ModuleDict({"audio_tower": audio_tower, "multi_modal_projector": projector})
         self.encoder.to(device=device, dtype=dtype).eval()
-        self.feature_extractor = feature_extractor
+        self.processor = processor
         self.device = device
         self.dtype = dtype
-        self.sampling_rate = int(feature_extractor.sampling_rate)
-        self.hop_length = int(feature_extractor.hop_length)
-        self.window_samples = int(feature_extractor.n_samples)
-        self.max_seconds = self.window_samples / self.sampling_rate
-        expected = int(config.audio_config.max_source_positions) * 2
-        if int(feature_extractor.nb_max_frames) != expected:
-            raise ValueError(f"feature extractor window of {feature_extractor.nb_max_frames} frames does not match "
-                             f"the audio tower's {expected}")
         self.info = ModelInfo(name=name, family="qwen2_audio", modalities=("audio",),
                               hidden_size=int(config.text_config.hidden_size))
-
-    def sample_item(self) -> tuple[str, Any]:
-        return "audio", np.zeros(self.sampling_rate // 10, dtype=np.float32)
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if not isinstance(item, np.ndarray) or item.ndim != 1:
-            raise ItemError("expected a mono waveform")
-        if item.shape[0] > self.window_samples:
-            raise ItemError(f"audio of {item.shape[0] / self.sampling_rate:.2f} s is longer than the model's "
-                            f"window of {self.max_seconds:g} s: send it as several clips of at most that "
-                            "(one item each)")
-        frames = -(-item.shape[0] // self.hop_length)
-        rows = audio_output_rows(frames)
-        if rows < 1:
-            raise ItemError(f"audio of {item.shape[0]} samples is too short to yield an embedding")
-        return ItemLayout(tokens=rows, grid_thw=(1, 1, rows), mel_frames=frames)
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        features = self.feature_extractor(
-            list(items), sampling_rate=self.sampling_rate, return_attention_mask=True, padding="max_length",
-            return_tensors="pt")
-        frames = features["attention_mask"].sum(-1)
-        rows = [audio_output_rows(int(n)) for n in frames]
-        return PreparedBatch(modality=modality, layouts=[ItemLayout(tokens=r, grid_thw=(1, 1, r), mel_frames=int(n))
-                                                         for r, n in zip(rows, frames)],
-                             inputs={"input_features": features["input_features"], "frames": frames})
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
@@ -94,6 +54,15 @@ class QwenAudioAdapter(EncoderAdapter):
         hidden = projector(tower(features, attention_mask=mask).last_hidden_state)
         rows = [hidden[index, :layout.tokens] for index, layout in enumerate(batch.layouts)]
         return torch.cat(rows).to("cpu").contiguous()
+
+
+def qwen2_audio_processor(config: Any, feature_extractor: Any) -> QwenAudioProcessor:
+    """The processor of a Qwen2-Audio encoder, after checking that the extractor's window is the tower's."""
+    expected = int(config.audio_config.max_source_positions) * 2
+    if int(feature_extractor.nb_max_frames) != expected:
+        raise ValueError(f"feature extractor window of {feature_extractor.nb_max_frames} frames does not match "
+                         f"the audio tower's {expected}")
+    return QwenAudioProcessor(feature_extractor)
 
 
 def build_qwen2_audio_encoder(config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -118,7 +87,7 @@ def qwen2_audio_from_folder(folder: Path, device: torch.device, dtype: torch.dty
                                                             build_qwen2_audio_encoder(config))))
     extractor = AutoFeatureExtractor.from_pretrained(folder)
     return QwenAudioAdapter(folder.name, modules["audio_tower"], modules["multi_modal_projector"], config,
-                            extractor, device, dtype)
+                            qwen2_audio_processor(config, extractor), device, dtype)
 
 
 def tiny_qwen2_audio_config():
@@ -139,8 +108,8 @@ def tiny_qwen2_audio(device: torch.device, dtype: torch.dtype) -> QwenAudioAdapt
     config = tiny_qwen2_audio_config()
     audio_tower, projector = seeded(lambda: build_qwen2_audio_encoder(config))
     extractor = WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160, chunk_length=10)
-    return QwenAudioAdapter("tiny-qwen2-audio", audio_tower.float(), projector.float(), config, extractor,
-                            device, dtype)
+    return QwenAudioAdapter("tiny-qwen2-audio", audio_tower.float(), projector.float(), config,
+                            qwen2_audio_processor(config, extractor), device, dtype)
 
 
 def shard_qwen2_audio(adapter: QwenAudioAdapter, mesh: Any) -> None:

@@ -27,7 +27,6 @@ not split over the ranks stays whole on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ import torch
 
 from encode_server.models.family import Family
 from encode_server.models.towers.grid_vision import run_qwen3_tower
-from encode_server.models.towers.omni_audio import OmniAudioRule
 from encode_server.models.towers.omni_thinker import (
     OmniSpec,
     OmniThinkerAdapter,
@@ -43,37 +41,7 @@ from encode_server.models.towers.omni_thinker import (
     load_omni_thinker,
     shard_audio_tower,
 )
-
-#: Frames per audio chunk (`2 * n_window`) and rows per full chunk that the processor's and SGLang's counts assume.
-CHUNK_FRAMES = 100
-ROWS_PER_CHUNK = 13
-
-
-def audio_rows(frames: int) -> int:
-    """`_get_feat_extract_output_lengths` of `processing_qwen3_omni_moe` (n_window 50)."""
-    leave = frames % CHUNK_FRAMES
-    feat = (leave - 1) // 2 + 1
-    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // CHUNK_FRAMES) * ROWS_PER_CHUNK
-
-
-class Qwen3OmniAudioRule(OmniAudioRule):
-    """`Qwen3OmniMoeProcessor`'s audio: no padding alone, no truncation, `samples // hop` frames."""
-
-    padding = "longest"
-    truncates = False
-
-    def frames(self, samples: int, feature_extractor: Any) -> int:
-        return samples // int(feature_extractor.hop_length)
-
-    def rows(self, frames: int) -> int:
-        return audio_rows(frames)
-
-    def tower_groups(self, frames: Sequence[int]) -> list[list[int]]:
-        """Clips of a chunk or more together; shorter ones with the clips of their own length only."""
-        groups: dict[int, list[int]] = {}
-        for index, count in enumerate(frames):
-            groups.setdefault(min(count, CHUNK_FRAMES), []).append(index)
-        return list(groups.values())
+from processors.families.qwen_omni import CHUNK_FRAMES, Qwen3OmniAudioRule
 
 
 def check(thinker: Any, processor_class: Any) -> str | None:
@@ -117,8 +85,7 @@ def tiny_qwen3_omni(device: torch.device, dtype: torch.dtype) -> OmniThinkerAdap
     from transformers import WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from encode_server.models.inputs.video_patches import qwen2_vl_video_settings_class
-    from encode_server.models.towers.omni_thinker import VideoPatcher
+    from processors.video_patches import VideoPatcher, qwen2_vl_video_settings_class
 
     vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
                   out_hidden_size=128, patch_size=16, spatial_merge_size=2,

@@ -14,7 +14,7 @@ folder's `Qwen3VLVideoProcessor` settings (its clip-wide `smart_resize`, the opt
 pixel cap) applied by `VideoPatcher` without torchvision; a `t x h x w` grid, `t` = frames / 2
 rounded up. The prompt names each temporal patch's time (`<t seconds>`): a video's layout carries
 those seconds (`video_timestamps`), computed from the frames the server sampled as
-`Qwen3VLProcessor` computes them (`inputs/video_clip.py`), for the prefill side to rebuild the
+`Qwen3VLProcessor` computes them (`processors/video_clip.py`), for the prefill side to rebuild the
 prompt the model was trained on.
 """
 
@@ -27,15 +27,16 @@ import torch
 
 from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.family import Family
-from encode_server.models.inputs.video_patches import VideoPatcher
 from encode_server.models.towers.grid_vision import (
     GridVisionAdapter,
     deepstack_count,
+    grid_adapter,
     load_grid_tower,
-    qwen_image_size_of,
     run_qwen3_tower,
     shard_grid_blocks,
 )
+from processors.grid import GridProcessor, qwen_image_size_of
+from processors.video_patches import VideoPatcher
 
 BUILTIN_SEED = 1234
 
@@ -57,9 +58,9 @@ def build_adapter(name: str, tower: torch.nn.Module, image_processor: Any, video
     config = tower.config
     info = ModelInfo(name=name, family="qwen3_vl", modalities=("image", "video"),
                      hidden_size=int(config.out_hidden_size), deepstack=deepstack_count(config))
-    video = VideoPatcher(video_processor)
-    return GridVisionAdapter(info, tower, image_processor, video, qwen_image_size_of(image_processor), run_qwen3_tower,
-                             device, dtype, video_timestamps=True)
+    processor = GridProcessor(image_processor, VideoPatcher(video_processor), qwen_image_size_of(image_processor),
+                              video_timestamps=True)
+    return grid_adapter(info, tower, processor, run_qwen3_tower, device, dtype)
 
 
 def load(folder: Path, device: torch.device, dtype: torch.dtype) -> EncoderAdapter:

@@ -17,7 +17,7 @@ point where its language model would start:
   processor alone, in a prompt holding the modality's placeholder (the chat template's, which writes any
   framing the processor expects, else the processor's own token, else that token between the start and end
   tokens the processor names, for a processor that refuses a bare one; for a processor that takes media only
-  through its chat request, as Voxtral's, the item alone in a user message, `generic/chat_request.py`).
+  through its chat request, as Voxtral's, the item alone in a user message, `processors/chat_request.py`).
   The model's forward runs on the result until the trap; the rows are `inputs_embeds` at the positions of
   the tokens the model fills, in order: what the language model receives there. The item's row count is the
   number of those tokens the full processor inserted, counted by running the processor (cached per image size
@@ -39,32 +39,20 @@ per-item inputs. `grid_thw` is `[1, 1, rows]`. No tensor-parallel plan.
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
-from encode_server.models.base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
+from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.family import Family
-from encode_server.models.generic.chat_request import ChatRequestPrompt, chat_request_inputs
-from encode_server.models.generic.joined_inputs import joinable_runs, joined_inputs
 from encode_server.models.generic.language_model_trap import Captured, TextEmbedding, build_trapped, model_class_of
-from encode_server.models.generic.probes import (
-    MODALITY_PROCESSORS,
-    PROBE_CLIP_FPS,
-    PlaceholderProbes,
-    first_line,
-    probe_items,
-)
-from encode_server.models.inputs.torchvision_processors import clip_tensor
+from encode_server.models.generic.probes import PlaceholderProbes, first_line
 from encode_server.models.loading.checkpoint import CheckpointError, read_config
 from encode_server.models.towers.vision_parts import load_model_part
-
-LAYOUT_CACHE_SIZE = 4096
+from processors.base import ItemLayout, PreparedBatch
+from processors.families.generic import GenericProcessor
+from processors.joined_inputs import joinable_runs, joined_inputs
 
 
 def full_processor(folder: Path, model_type: str) -> Any:
@@ -81,122 +69,23 @@ def full_processor(folder: Path, model_type: str) -> Any:
 class GenericAdapter(PlaceholderProbes, EncoderAdapter):
     """Runs a model's own forward up to its language model on one item at a time, counted by its processor."""
 
+    processor: GenericProcessor
+
     def __init__(self, name: str, model_type: str, model: torch.nn.Module, embedding: TextEmbedding,
-                 processor: Any, hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
+                 full: Any, hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model.to(device=device).eval()
         self.embedding = embedding
-        self.processor = processor
         self.device = device
         self.dtype = dtype
         self.model_type = model_type
         self.name = name
         self.hidden_size = int(hidden_size)
-        self.prompts: dict[str, str] = {}  # modality -> the prompt its probes passed with
-        self.filled: dict[str, torch.Tensor] = {}  # modality -> the token ids the model fills
         self.batchable: dict[str, bool] = {}  # modality -> whether items whose inputs join run as one forward
-        self.layouts: OrderedDict[tuple, ItemLayout] = OrderedDict()
-        self._last_processed: tuple[Any, dict[str, Any]] | None = None
         parameters = inspect.signature(model.forward).parameters
         self.forward_inputs = {key for key, p in parameters.items()
                                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        extractor = self._part("audio")
-        self.sampling_rate = int(getattr(extractor, "sampling_rate", 16000) or 16000)
+        self.processor = GenericProcessor(name, full, self.forward_inputs)
         self.info = ModelInfo(name=name, family=model_type, modalities=(), hidden_size=self.hidden_size)
-
-    def _part(self, modality: str) -> Any:
-        for attribute in MODALITY_PROCESSORS[modality]:
-            part = getattr(self.processor, attribute, None)
-            if part is not None:
-                return part
-        return None
-
-    # --- items through the processor -------------------------------------------------------------------
-
-    def _check_item(self, modality: str, item: Any, index: int = 0) -> None:
-        if modality == "image" and not isinstance(item, Image.Image):
-            raise ItemError(f"item {index}: expected an image, got {type(item).__name__}")
-        if modality == "audio" and not (isinstance(item, np.ndarray) and item.ndim == 1):
-            raise ItemError(f"item {index}: expected a mono waveform, got {type(item).__name__}")
-        if modality == "video" and not (isinstance(item, list) and item
-                                        and all(isinstance(frame, Image.Image) for frame in item)):
-            raise ItemError(f"item {index}: expected a video's frames, got {type(item).__name__}")
-
-    def _process(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
-        if isinstance(prompt, ChatRequestPrompt):
-            processed = chat_request_inputs(self.processor, modality, item, self.sampling_rate)
-            return {key: value for key, value in processed.items()
-                    if key in self.forward_inputs or key.endswith("input_ids")}
-        if modality == "image":
-            media = {"images": [item]}
-        elif modality == "video":  # the frames as the server sampled them, with where they come from
-            from transformers.video_utils import VideoMetadata
-
-            fps = getattr(item, "fps", PROBE_CLIP_FPS)
-            indices = list(getattr(item, "frames_indices", range(len(item))))
-            media = {"videos": [clip_tensor(item)], "do_sample_frames": False, "return_metadata": True,
-                     "video_metadata": [VideoMetadata(
-                total_num_frames=len(item), fps=fps, frames_indices=indices, duration=len(item) / fps)]}
-        else:
-            media = {"audio": [item], "sampling_rate": self.sampling_rate}
-        if "mm_token_type_ids" in self.forward_inputs:  # the multimodal RoPE of some models reads it
-            media["return_mm_token_type_ids"] = True
-        processed = self.processor(text=[prompt], **media, return_tensors="pt")
-        return {key: value for key, value in processed.items()
-                if key in self.forward_inputs or key.endswith("input_ids")}
-
-    def _positions(self, modality: str, input_ids: torch.Tensor) -> torch.Tensor:
-        return torch.isin(input_ids[0], self.filled[modality]).nonzero().flatten()
-
-    def _layout_key(self, modality: str, item: Any) -> tuple:
-        if modality == "video":
-            return (modality, len(item), item[0].size, getattr(item, "fps", None),
-                    tuple(getattr(item, "frames_indices", ())))
-        return (modality, item.size) if modality == "image" else (modality, int(item.shape[0]))
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if modality not in self.filled:
-            raise ItemError(f"{self.name} does not encode {modality}")
-        self._check_item(modality, item)
-        key = self._layout_key(modality, item)
-        layout = self.layouts.get(key)
-        if layout is None:
-            processed = self._process(modality, item, self.prompts[modality])
-            self._last_processed = (item, processed)  # `preprocess` of this same item (next, as a rule) reuses it
-            tokens = int(self._positions(modality, processed["input_ids"]).numel())
-            layout = ItemLayout(tokens=tokens, grid_thw=(1, 1, tokens))
-            self.layouts[key] = layout
-            if len(self.layouts) > LAYOUT_CACHE_SIZE:
-                self.layouts.popitem(last=False)
-        return layout
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_last_processed": None}  # a worker's copy starts without another's item
-
-    def _prepare_one(self, modality: str, item: Any) -> tuple[dict[str, Any], ItemLayout]:
-        last = self._last_processed
-        if last is not None and last[0] is item:
-            processed = last[1]
-        else:
-            processed = self._process(modality, item, self.prompts[modality])
-        tokens = int(self._positions(modality, processed["input_ids"]).numel())
-        if tokens == 0:
-            raise ItemError(f"the processor inserted no {modality} placeholder for this item")
-        return processed, ItemLayout(tokens=tokens, grid_thw=(1, 1, tokens))
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        if modality not in self.filled:
-            raise ItemError(f"{self.name} does not encode {modality}")
-        for index, item in enumerate(items):
-            self._check_item(modality, item, index)
-        prepared = [self._prepare_one(modality, item) for item in items]
-        return PreparedBatch(modality=modality, inputs={}, layouts=[layout for _, layout in prepared],
-                             extras={"items": [inputs for inputs, _ in prepared]})
-
-    def collate(self, batches: Sequence[PreparedBatch]) -> PreparedBatch:
-        """Per-item batches joined in order (generic items are never padded together)."""
-        return PreparedBatch(modality=batches[0].modality, inputs={},
-                             layouts=[layout for batch in batches for layout in batch.layouts],
-                             extras={"items": [inputs for batch in batches for inputs in batch.extras["items"]]})
 
     # --- the model's forward up to the trap -----------------------------------------------------------
 
@@ -222,7 +111,7 @@ class GenericAdapter(PlaceholderProbes, EncoderAdapter):
         raise RuntimeError("the model's forward returned without calling its language model")
 
     def _rows(self, modality: str, embeds: torch.Tensor, input_ids: torch.Tensor, layout: ItemLayout) -> torch.Tensor:
-        rows = embeds[self._positions(modality, input_ids).to(embeds.device)]
+        rows = embeds[self.processor.positions(modality, input_ids).to(embeds.device)]
         if rows.shape[0] != layout.tokens:
             raise RuntimeError(f"{self.name}: {rows.shape[0]} rows for an item counted {layout.tokens}")
         return rows.to("cpu")
@@ -240,9 +129,6 @@ class GenericAdapter(PlaceholderProbes, EncoderAdapter):
                          for index, (item_inputs, layout) in enumerate(group))
         return torch.cat(parts).contiguous()
 
-    def sample_item(self) -> tuple[str, Any]:
-        modality = self.info.modalities[0]
-        return modality, probe_items(modality, self.sampling_rate)[0][0]
 
 def text_hidden_size(config: Any) -> int:
     for candidate in (getattr(config, "text_config", None), getattr(getattr(config, "thinker_config", None),

@@ -14,24 +14,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from encode_server.models.base import ModelInfo
-from encode_server.models.generic.chat_request import CHAT_REQUEST
-from encode_server.models.generic.joined_inputs import joined_inputs
-from encode_server.models.inputs.video_clip import VideoClip
 from encode_server.models.loading.checkpoint import CheckpointError
+from processors.chat_request import CHAT_REQUEST
+from processors.families.generic import MODALITY_PROCESSORS, probe_items
+from processors.joined_inputs import joined_inputs
 
 log = logging.getLogger("encode_server.models.generic")
-
-PROBE_IMAGES = ((72, 96), (200, 120), (130, 260))  # (height, width) of the start-up probes
-PROBE_AUDIO_SECONDS = (1.3, 3.1)
-PROBE_CLIPS = ((4, 72, 96), (8, 120, 80))  # (frames, height, width)
-PROBE_CLIP_FPS = 2.0
-MODALITY_PROCESSORS = {"image": ("image_processor",), "audio": ("feature_extractor", "audio_processor"),
-                       "video": ("video_processor",)}
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -50,7 +41,7 @@ def placeholder_prompts(processor: Any, modality: str) -> list[str]:
     then the token between the start and end tokens the processor names (`<image_start><image><image_end>`:
     a processor that refuses a bare placeholder expects that form where its folder ships no template); then an
     empty text, for processors that insert the placeholders themselves; last, for images and audio, the item
-    alone in a chat request (`generic/chat_request.py`), for processors that take media no other way."""
+    alone in a chat request (`processors/chat_request.py`), for processors that take media no other way."""
     prompts = []
     tokenizer = getattr(processor, "tokenizer", None)
     if getattr(processor, "chat_template", None):
@@ -90,7 +81,7 @@ class PlaceholderProbes:
 
     def _probe_inputs(self, modality: str, item: Any, prompt: str) -> dict[str, Any]:
         try:
-            inputs = self._process(modality, item, prompt)
+            inputs = self.processor._process(modality, item, prompt)
         except Exception as exc:  # noqa: BLE001 (the processor's own code failed on this input: named)
             raise CheckpointError(f"its processor fails on a probe ({first_line(exc)})") from None
         prompt_reading = [key for key in inputs if key.endswith("input_ids") and key != "input_ids"]
@@ -129,7 +120,7 @@ class PlaceholderProbes:
         fills with constants (framing embedded by the model itself) are not rows."""
         placeholders: set[int] = set()
         text_bound: set[int] = set()
-        for item, other in probe_items(modality, self.sampling_rate):
+        for item, other in probe_items(modality, self.processor.sampling_rate):
             inputs = self._probe_inputs(modality, item, prompt)
             other_inputs = self._probe_inputs(modality, other, prompt)
             ids = inputs["input_ids"][0]
@@ -160,7 +151,8 @@ class PlaceholderProbes:
     def joins_exactly(self, modality: str) -> bool:
         """Whether two same-size probe items run as one forward give the rows each gives alone (within the
         dtype's rounding): then items whose inputs join are batched."""
-        pair = [self._prepare_one(modality, item) for item in probe_items(modality, self.sampling_rate)[0]]
+        pair = [self.processor._prepare_one(modality, item)
+                for item in probe_items(modality, self.processor.sampling_rate)[0]]
         joined = joined_inputs([inputs for inputs, _ in pair])
         if joined is None:
             return False
@@ -181,44 +173,26 @@ class PlaceholderProbes:
         """Find, per modality the processor has, the prompt and filled tokens; keep the modalities that pass."""
         reasons = {}
         for modality in MODALITY_PROCESSORS:
-            if self._part(modality) is None:
+            if self.processor._part(modality) is None:
                 continue
-            for prompt in placeholder_prompts(self.processor, modality):
+            for prompt in placeholder_prompts(self.processor.full, modality):
                 try:
-                    self.filled[modality] = self.filled_tokens(modality, prompt)
-                    self.prompts[modality] = prompt
+                    self.processor.filled[modality] = self.filled_tokens(modality, prompt)
+                    self.processor.prompts[modality] = prompt
                     self.batchable[modality] = self.joins_exactly(modality)
                     break
                 except CheckpointError as exc:
                     reasons.setdefault(modality, str(exc))  # the first prompt's failure: the others are fallbacks
-        if not self.filled:
+        if not self.processor.filled:
             why = "; ".join(f"{modality}: {reason}" for modality, reason in reasons.items()) or \
                 "its processor has neither an image processor nor a feature extractor"
             raise CheckpointError(f"{folder}: model_type {self.model_type!r}: no modality can be served exactly "
                                   f"({why})")
         for modality, reason in reasons.items():
-            if modality not in self.filled:
+            if modality not in self.processor.filled:
                 log.warning("%s: %s is not served: %s", self.name, modality, reason)
-        tokenizer = getattr(self.processor, "tokenizer", None)
+        tokenizer = getattr(self.processor.full, "tokenizer", None)
         self.placeholders = {modality: [tokenizer.convert_ids_to_tokens(int(t)) if tokenizer else str(int(t))
-                                        for t in ids] for modality, ids in self.filled.items()}
-        self.info = ModelInfo(name=self.name, family=self.model_type, modalities=tuple(self.filled),
+                                        for t in ids] for modality, ids in self.processor.filled.items()}
+        self.info = ModelInfo(name=self.name, family=self.model_type, modalities=tuple(self.processor.filled),
                               hidden_size=self.hidden_size, placeholder_tokens=self.placeholders)
-
-
-def probe_items(modality: str, sampling_rate: int) -> list[tuple[Any, Any]]:
-    """Start-up probes: pairs of images of several shapes (audio clips of several lengths, videos of several
-    frame counts and sizes), the two of a pair of the same size and different content (fixed seeds)."""
-    def image(seed: int, height: int, width: int) -> Image.Image:
-        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-    def clip(seed: int, seconds: float) -> np.ndarray:
-        return (np.random.default_rng(seed).standard_normal(int(seconds * sampling_rate)) * 0.1).astype(np.float32)
-
-    if modality == "image":
-        return [(image(seed, *size), image(seed + 100, *size)) for seed, size in enumerate(PROBE_IMAGES)]
-    if modality == "video":
-        return [(VideoClip([image(seed * 10 + f, h, w) for f in range(frames)], PROBE_CLIP_FPS, range(frames)),
-                 VideoClip([image(seed * 10 + f + 100, h, w) for f in range(frames)], PROBE_CLIP_FPS, range(frames)))
-                for seed, (frames, h, w) in enumerate(PROBE_CLIPS)]
-    return [(clip(seed, seconds), clip(seed + 100, seconds)) for seed, seconds in enumerate(PROBE_AUDIO_SECONDS)]

@@ -27,9 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be served; the message says what is wrong."""
+from processors.base import CheckpointError  # one error for a folder that cannot be served, processor or tower
 
 
 def read_config(folder: Path) -> dict:

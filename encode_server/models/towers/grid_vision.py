@@ -1,162 +1,81 @@
 """The adapter shared by vision towers fed Qwen-style patches and a `(t, h, w)` grid per item.
 
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3.5), GLM-4V and the Omni thinkers' vision towers
-(`omni_thinker.py`) cut an image or a video into `patch x patch` patches on a `t x h x w` grid (`t` counts
-groups of `temporal_patch_size` frames; an image is one group) and merge every `merge x merge` patches into one
-output row: `t * h * w / merge^2` rows per item. Images go
-through the folder's image processor (as `AutoImageProcessor` resolves it) in one call for the batch;
-videos through `VideoPatcher` (the folder's video processor settings). What differs per family is how the image
-size is chosen (`image_size`) and how the tower is run (`run_tower`, which returns the rows); the Qwen2-VL image
-processor's sizing and the Qwen towers' run functions, which several families use, are here.
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3.5), GLM-4V, GLM-5-Next, Dots3-Note and the Omni thinkers' vision
+towers (`omni_thinker.py`) take what a `processors.grid.GridProcessor` makes of an image or a video (patches on a
+`t x h x w` grid, every `merge x merge` patches merged into one output row) and give `t * h * w / merge^2` rows
+per item. What differs per family is how the tower is run (`run_tower`, which returns the rows); the Qwen towers'
+run functions, which several families use, are here, and `grid_adapter` checks at load that the processor
+patches items as the tower takes them.
 
 Rows never depend on the items fused beside them: these towers attend within each item only (or within
 windows of it, Qwen2.5-Omni's), and their position embeddings come from each item's own grid.
-
-With `video_timestamps`, a video's layout also holds the seconds of each temporal patch, which
-Qwen3-VL's prompt names (`inputs/video_clip.py`); GLM-4V's prefill side does not read them.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
-from encode_server.models.base import EncoderAdapter, ItemError, ItemLayout, ModelInfo, PreparedBatch
-from encode_server.models.inputs.video_clip import clip_timestamps
-from encode_server.models.inputs.video_patches import VideoPatcher
+from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.layers import aligned_mlp
 from encode_server.models.layers.grid_indices import grid_arguments
 from encode_server.models.layers.packed_attention import use_packed_attention
 from encode_server.models.layers.patch_embed import ItemPixelsForward, patches_as_matmul
-
-#: (height, width) of an image -> the (height, width) the image processor resizes it to.
-ImageSize = Callable[[int, int], tuple[int, int]]
+from processors.grid import GridProcessor
 
 #: (tower, pixel patches, grid `[items, 3]`, modality) -> the batch's rows `[tokens, width]`.
 RunTower = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
 
 class GridVisionAdapter(ItemPixelsForward, EncoderAdapter):
-    """A patch-grid vision tower on images (the folder's image processor) and videos (`VideoPatcher`)."""
+    """A patch-grid vision tower on what a `GridProcessor` prepares (images and videos)."""
 
-    def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
-                 image_size: ImageSize, run_tower: RunTower, device: torch.device, dtype: torch.dtype,
-                 video_timestamps: bool = False) -> None:
-        # Imported here: it imports transformers' Qwen2-VL and GLM-4V processors.
-        from encode_server.models.inputs.fast_patches import accelerated
-
+    def __init__(self, info: ModelInfo, tower: torch.nn.Module, processor: GridProcessor, run_tower: RunTower,
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.encoder = torch.nn.ModuleDict({"visual": tower}).to(device=device, dtype=dtype).eval()
         self.tower = self.encoder["visual"]
         self.embeds_parts = patches_as_matmul(self.tower.patch_embed)
         self.packed_attention = use_packed_attention(self.tower)
         on_cuda = torch.device(device).type == "cuda"
         self.padded_mlps = aligned_mlp.align_mlp_widths(self.tower) if on_cuda and aligned_mlp.enabled else 0
-        self.image_processor = accelerated(image_processor)
-        self.video = video
-        self.image_size = image_size
+        self.processor = processor
         self.run_tower = run_tower
-        self.video_timestamps = video_timestamps
         self.device = device
         self.dtype = dtype
         self.info = info
-        config = tower.config
-        self.patch_size = int(config.patch_size)
-        self.merge_size = int(config.spatial_merge_size)
-        # A tower with a 2-D patch embedding (Dots3-Note) names no temporal patch: it takes one frame per patch.
-        self.temporal_patch_size = temporal_patch_size = int(getattr(config, "temporal_patch_size", 1))
-        for what, processor in (("image", image_processor), ("video", video)):
-            if (int(processor.patch_size), int(processor.merge_size)) != (self.patch_size, self.merge_size) or \
-                    int(processor.temporal_patch_size) != temporal_patch_size:
-                raise ValueError(
-                    f"{what} processor (patch {processor.patch_size}, merge {processor.merge_size}, temporal patch "
-                    f"{processor.temporal_patch_size}) does not match the vision tower (patch {self.patch_size}, "
-                    f"merge {self.merge_size}, temporal patch {temporal_patch_size})")
-
-    def sample_item(self) -> tuple[str, Any]:
-        side = 2 * self.patch_size * self.merge_size
-        return "image", Image.new("RGB", (side, side), (128, 128, 128))
-
-    # --- layouts ---------------------------------------------------------------------------------
-
-    def _rows(self, grid: Sequence[int]) -> int:
-        t, h, w = grid
-        return int(t) * int(h) * int(w) // (self.merge_size**2)
-
-    def _video_layout(self, frames: Any, grid: Sequence[int]) -> ItemLayout:
-        timestamps = clip_timestamps(frames, self.video.temporal_patch_size) if self.video_timestamps else None
-        return ItemLayout(tokens=self._rows(grid), grid_thw=tuple(int(v) for v in grid), video_timestamps=timestamps)
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if modality == "video":
-            return self._video_layout(item, self.video.layout(item).grid_thw)
-        if not isinstance(item, Image.Image):
-            raise ItemError(f"expected an image, got {type(item).__name__}")
-        width, height = item.size
-        try:
-            height, width = self.image_size(height, width)
-        except ValueError as exc:
-            raise ItemError(f"image of {width}x{height} pixels: {exc}") from None
-        grid = (1, height // self.patch_size, width // self.patch_size)
-        return ItemLayout(tokens=self._rows(grid), grid_thw=grid)
-
-    # --- preprocessing ---------------------------------------------------------------------------
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        if modality == "video":
-            pieces = [self.video.patches(frames) for frames in items]
-            pixels = torch.cat([patches for patches, _ in pieces])
-            grid = torch.tensor([layout.grid_thw for _, layout in pieces], dtype=torch.long)
-            layouts = [self._video_layout(frames, clip.grid_thw) for frames, (_, clip) in zip(items, pieces)]
-        else:
-            for item in items:  # the processor would fail the whole batch on one bad item
-                self.item_layout(modality, item)
-            processed = self.image_processor(images=list(items), return_tensors="pt")
-            pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
-            layouts = [ItemLayout(tokens=self._rows(row), grid_thw=tuple(int(v) for v in row))
-                       for row in grid.tolist()]
-        return PreparedBatch(modality=modality, layouts=layouts, inputs={"pixel_values": pixels, "grid_thw": grid})
 
     def tower_rows(self, pixels: Any, grid: torch.Tensor, modality: str) -> torch.Tensor:
         return self.run_tower(self.tower, pixels, grid, modality)
+
+
+def check_grid(processor: GridProcessor, tower_config: Any) -> None:
+    """A `ValueError` unless the processor's image and video patching (patch, merge, temporal patch) are the
+    tower's; a tower with a 2-D patch embedding (Dots3-Note) names no temporal patch: it takes one frame per
+    patch."""
+    tower = (int(tower_config.patch_size), int(tower_config.spatial_merge_size),
+             int(getattr(tower_config, "temporal_patch_size", 1)))
+    for what, (patch, merge, temporal) in processor.grid_settings().items():
+        if (patch, merge, temporal) != tower:
+            raise ValueError(
+                f"{what} processor (patch {patch}, merge {merge}, temporal patch {temporal}) does not match the "
+                f"vision tower (patch {tower[0]}, merge {tower[1]}, temporal patch {tower[2]})")
+
+
+def grid_adapter(info: ModelInfo, tower: torch.nn.Module, processor: GridProcessor, run_tower: RunTower,
+                 device: torch.device, dtype: torch.dtype) -> GridVisionAdapter:
+    """A `GridVisionAdapter`, after checking that the processor patches items as the tower takes them."""
+    check_grid(processor, tower.config)
+    return GridVisionAdapter(info, tower, processor, run_tower, device, dtype)
 
 
 def transformers_class(path: str) -> type:
     """A class by its path under `transformers.models` (imported only when needed)."""
     module, name = path.rsplit(".", 1)
     return getattr(importlib.import_module(f"transformers.models.{module}"), name)
-
-
-def unchanged_size(height: int, width: int) -> tuple[int, int]:
-    """The image size of a processor that does not resize."""
-    return height, width
-
-
-def resize_rule(size_of: Callable[..., tuple[int, int]], image_processor: Any, **settings: Any) -> ImageSize:
-    """`size_of(height, width, **settings)` as an `ImageSize` that pickles (a preprocessing worker needs it)."""
-    if not image_processor.do_resize:
-        return unchanged_size
-    return functools.partial(size_of, **settings)
-
-
-def qwen_image_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's `smart_resize` of one image."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-
-
-def qwen_image_size_of(image_processor: Any) -> ImageSize:
-    """How the Qwen2-VL image processor (PIL or torchvision backend) sizes an image."""
-    size = image_processor.size
-    return resize_rule(qwen_image_size, image_processor,
-                       factor=int(image_processor.patch_size) * int(image_processor.merge_size),
-                       min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
 
 
 def run_qwen_tower(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, modality: str) -> torch.Tensor:
@@ -185,8 +104,8 @@ def load_grid_tower(folder: Path, towers: Mapping[str, tuple[str, str]], what: s
     the folder's processors unless `processors` (image, video) are given."""
     from transformers import AutoImageProcessor
 
-    from encode_server.models.inputs.video_patches import load_video_processor
     from encode_server.models.loading.checkpoint import CheckpointError, load_encoder_modules, read_config
+    from processors.video_patches import load_video_processor
 
     folder = Path(folder)
     model_type = read_config(folder).get("model_type")

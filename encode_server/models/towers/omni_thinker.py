@@ -11,7 +11,8 @@ Images and videos go through `GridVisionAdapter` (`towers/grid_vision.py`) as Qw
 Qwen3-VL's do: the tower's patch grid, `t*h*w / merge^2` rows. Video frames are sized as the model's
 full processor sizes them: its class-level `videos_kwargs` (a `size` of 128 to 768 merged patches per
 frame) are passed on every call and override the folder's video processor `size`. Audio clips go
-through `OmniAudio` (`towers/omni_audio.py`) with the family's `OmniAudioRule`.
+through `OmniAudio` (`processors/omni_audio.py`) with the family's `OmniAudioRule`; the processor is
+`OmniThinkerProcessor`, the audio tower's forward `audio_rows`.
 
 Rows are `[tokens, hidden]` for audio and `[tokens, hidden * (1 + k)]` for images and videos (`k`
 deepstack blocks, Qwen3-Omni only): `ModelInfo.deepstack_modalities` says so.
@@ -26,67 +27,73 @@ layout cannot be served; this server never reads a video file's audio track.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from encode_server.models.base import ItemLayout, ModelInfo, PreparedBatch
-from encode_server.models.inputs.video_patches import VideoPatcher
+from encode_server.models.base import ModelInfo
 from encode_server.models.layers.packed_attention import use_packed_attention
 from encode_server.models.layers.patch_embed import to_host
 from encode_server.models.towers.grid_vision import (
     GridVisionAdapter,
-    ImageSize,
     RunTower,
+    check_grid,
     deepstack_count,
-    qwen_image_size_of,
     transformers_class,
 )
-from encode_server.models.towers.omni_audio import OmniAudio, OmniAudioRule
+from processors.base import PreparedBatch
+from processors.omni_audio import MODALITIES, OmniAudio, OmniAudioRule, OmniThinkerProcessor
+from processors.video_patches import VideoPatcher
 
 #: Where an Omni checkpoint keeps the thinker's towers: `thinker.visual.*` as published, `thinker.model.visual.*`
 #: as `transformers` holds them in memory.
 THINKER_PREFIXES = ("thinker.model.", "thinker.", "model.")
 
-MODALITIES = ("image", "video", "audio")
-
 
 class OmniThinkerAdapter(GridVisionAdapter):
     """Images and videos through the thinker's vision tower, audio through its audio tower."""
 
-    def __init__(self, info: ModelInfo, tower: torch.nn.Module, image_processor: Any, video: VideoPatcher,
-                 image_size: ImageSize, run_tower: RunTower, audio_tower: torch.nn.Module, audio: OmniAudio,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(info, tower, image_processor, video, image_size, run_tower, device, dtype)
+    processor: OmniThinkerProcessor
+
+    def __init__(self, info: ModelInfo, tower: torch.nn.Module, processor: OmniThinkerProcessor, run_tower: RunTower,
+                 audio_tower: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(info, tower, processor, run_tower, device, dtype)
         self.encoder["audio_tower"] = audio_tower.to(device=device, dtype=dtype).eval()
         self.audio_tower = self.encoder["audio_tower"]
         self.packed_audio_attention = use_packed_attention(self.audio_tower, blocks="layers", attention="self_attn")
-        self.audio = audio
-        self.sampling_rate = audio.sampling_rate  # the decoder resamples clips to it
-
-    def item_layout(self, modality: str, item: Any) -> ItemLayout:
-        if modality == "audio":
-            return self.audio.item_layout(item)
-        return super().item_layout(modality, item)
-
-    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
-        if modality == "audio":
-            return self.audio.preprocess(modality, items)
-        return super().preprocess(modality, items)
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> torch.Tensor:
         if batch.modality == "audio":
-            return to_host(self.audio.forward(self.audio_tower, batch, self.device, self.dtype))
+            return to_host(audio_rows(self.audio_tower, self.processor.audio.rule, batch, self.device, self.dtype))
         return super().forward(batch)
 
     def warmup(self) -> None:
         """Both towers (the health probe, an image, exercises the vision tower only)."""
         super().warmup()
-        self.forward(self.preprocess("audio", [self.audio.sample_item()]))
+        self.forward(self.processor.preprocess("audio", [self.processor.audio.sample_item()]))
+
+
+def audio_rows(tower: torch.nn.Module, rule: OmniAudioRule, batch: PreparedBatch, device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The batch's rows `[sum rows, width]` (on `device`), one tower call per `rule.tower_groups` group: the
+    clips' real frames concatenated along time with each clip's length (`feature_lens`), as the thinker's
+    `get_audio_features` hands them to its audio tower."""
+    lens = [int(n) for n in batch.inputs["feature_lens"].tolist()]
+    starts = np.cumsum([0, *lens]).tolist()
+    features = batch.inputs["input_features"]
+    rows: list[torch.Tensor | None] = [None] * len(lens)
+    for group in rule.tower_groups(lens):
+        clips = torch.cat([features[starts[i]:starts[i + 1]] for i in group])
+        group_lens = torch.tensor([lens[i] for i in group], dtype=torch.long, device=device)
+        out = tower(clips.to(device=device, dtype=dtype).T, feature_lens=group_lens).last_hidden_state
+        for index, part in zip(group, torch.split(out, [batch.layouts[i].tokens for i in group])):
+            rows[index] = part
+    return torch.cat(rows)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ def video_patcher(folder: Path, processor_class: Any) -> VideoPatcher:
     """The folder's video processor settings, with the `size` the full processor passes on every call."""
     from transformers.image_utils import SizeDict
 
-    from encode_server.models.inputs.video_patches import load_video_processor
+    from processors.video_patches import load_video_processor
 
     settings = load_video_processor(folder, default="Qwen2VLVideoProcessor")
     size = processor_defaults(processor_class, "videos_kwargs").get("size")
@@ -134,8 +141,9 @@ def build_adapter(name: str, spec: OmniSpec, vision_tower: torch.nn.Module, audi
                          f"({width} wide) do not have the language model's one width")
     info = ModelInfo(name=name, family=spec.family, modalities=MODALITIES, hidden_size=width,
                      deepstack=deepstack_count(vision), deepstack_modalities=("image", "video"))
-    return OmniThinkerAdapter(info, vision_tower, image_processor, video, qwen_image_size_of(image_processor),
-                              spec.run_tower, audio_tower, audio, device, dtype)
+    processor = OmniThinkerProcessor(image_processor, video, audio)
+    check_grid(processor, vision)
+    return OmniThinkerAdapter(info, vision_tower, processor, spec.run_tower, audio_tower, device, dtype)
 
 
 def build_tiny_thinker(name: str, spec: OmniSpec, vision: dict[str, Any], audio: dict[str, Any],

@@ -17,21 +17,19 @@ model's base class (e.g. `Gemma3Model`) is constructed on the meta device (no me
 - non-persistent buffers (position ids, rotary frequencies) are filled by the model's own
   `initialize_weights`, exactly as `from_pretrained` fills them.
 
-`VisionPartAdapter` is the shared adapter base: device, dtype, `ModelInfo`, and rows on the CPU.
+`VisionPartAdapter` is the shared adapter base: device, dtype, `ModelInfo`, its processor, and rows on the CPU.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
-from encode_server.models.base import EncoderAdapter, ItemError, ModelInfo
+from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.loading.checkpoint import CheckpointError, _shard_files, read_tensors
+from processors.base import Processor
 
 DROPPED_MODULES = ("language_model", "lm_head")
 
@@ -134,63 +132,16 @@ def load_model_part(folder: Path, model: torch.nn.Module, device: torch.device) 
     return model.to(device=device).eval()
 
 
-def processor_settings(folder: Path) -> dict[str, Any]:
-    """The folder's `processor_config.json` (the full processor's own settings), or `{}` without one."""
-    path = folder / "processor_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-
-
-def init_default(function: Any, name: str) -> Any:
-    """A keyword's default in a processor's `__init__`: what the full processor uses when the folder is silent."""
-    import inspect
-
-    return inspect.signature(function).parameters[name].default
-
-
-def source_init_defaults(module_name: str, class_name: str) -> dict[str, Any]:
-    """A class's `__init__` keyword defaults read from its module's source, for modules that cannot be imported here
-    (e.g. they import torchvision at the top) although the defaults are plain literals."""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or spec.origin is None:
-        raise CheckpointError(f"{module_name} is not part of this transformers installation")
-    tree = ast.parse(Path(spec.origin).read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                    arguments = item.args.args[len(item.args.args) - len(item.args.defaults):]
-                    return {a.arg: ast.literal_eval(d) for a, d in zip(arguments, item.args.defaults)}
-    raise CheckpointError(f"{module_name} has no {class_name}.__init__")
-
-
-def as_images(items: Sequence[Any]) -> list[Image.Image]:
-    """The items as RGB PIL images, or an `ItemError` naming the first one that is not an image."""
-    for index, item in enumerate(items):
-        if not isinstance(item, Image.Image):
-            raise ItemError(f"item {index}: expected an image, got {type(item).__name__}")
-    return list(items)
-
-
 class VisionPartAdapter(EncoderAdapter):
     """Shared plumbing of the adapters that run a `transformers` model's own `get_image_features`."""
 
-    def __init__(self, name: str, family: str, model: torch.nn.Module, hidden_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, name: str, family: str, model: torch.nn.Module, hidden_size: int, processor: Processor,
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.model = model.to(device=device).eval()  # already in `dtype` (see load_vision_part)
+        self.processor = processor
         self.device = device
         self.dtype = dtype
         self.info = ModelInfo(name=name, family=family, modalities=("image",), hidden_size=int(hidden_size))
-
-    def sample_item(self) -> tuple[str, Any]:
-        return "image", Image.new("RGB", (64, 48), (128, 128, 128))
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Pixels in the encoder's dtype on its device; integer tensors (sizes) keep their dtype."""

@@ -71,7 +71,7 @@ def test_each_grid_is_computed_once_and_the_rows_are_bit_identical(qwen25_tower)
     rng = np.random.default_rng(0)
     adapter = load_adapter("tiny-qwen2.5-vl", "cpu", "float32")
     sizes = [(56, 56), (300, 200), (90, 60), (56, 56), (250, 330)]
-    batch = adapter.preprocess("image", [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    batch = adapter.processor.preprocess("image", [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
                                          for w, h in sizes])
     pixels, grid = batch.inputs["pixel_values"], batch.inputs["grid_thw"]
     with torch.inference_mode():

@@ -56,7 +56,7 @@ def test_the_grid_towers_attend_packed_with_transformers_values(name, monkeypatc
     `transformers`' own per-segment loop (images of several sizes, so windows and images of many lengths)."""
     adapter = load_adapter(name, "cpu", "float32")
     assert adapter.packed_attention and adapter.tower.config._attn_implementation == PACKED_ATTENTION
-    batch = adapter.preprocess("image", images((448, 448), (300, 200), (90, 60), (448, 448), (250, 330)))
+    batch = adapter.processor.preprocess("image", images((448, 448), (300, 200), (90, 60), (448, 448), (250, 330)))
     calls = []
     grouped = packed_attention._grouped_sdpa
     monkeypatch.setattr(packed_attention, "_grouped_sdpa", lambda *a: calls.append(1) or grouped(*a))

@@ -76,11 +76,11 @@ def test_forward_items_embeds_each_items_pixels_apart_with_the_collated_rows(nam
     seen: list[type] = []
     adapter.tower.patch_embed.register_forward_pre_hook(lambda module, args: seen.append(type(args[0])))
     for modality, items in (("image", images), ("video", [images[:1] * 3, images[1:2] * 2])):
-        per_item = [adapter.preprocess(modality, [item]) for item in items]
+        per_item = [adapter.processor.preprocess(modality, [item]) for item in items]
         seen.clear()
         layouts, rows = adapter.forward_items(per_item)
         assert seen == [list]
         assert not rows.requires_grad  # no autograd graph, as in `forward`
-        collated = adapter.collate(per_item)
+        collated = adapter.processor.collate(per_item)
         assert layouts == collated.layouts
         torch.testing.assert_close(rows, adapter.forward(collated), rtol=1e-6, atol=1e-6)

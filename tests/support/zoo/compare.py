@@ -44,7 +44,7 @@ def sample_clips() -> list[Any]:
     """Clips of random frames with where they come from (`VideoClip`: the item the server's decoder makes)."""
     from PIL import Image
 
-    from encode_server.models.inputs.video_clip import VideoClip
+    from processors.video_clip import VideoClip
 
     clips = []
     for seed, (count, width, height, step) in enumerate(CLIPS):
@@ -253,17 +253,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_modality(adapter: Any, refs: list[torch.Tensor], items: list[Any], modality: str) -> tuple[str, str]:
-    from encode_server.models.base import ItemError
+    from processors.base import ItemError
 
     info = adapter.info
     width = info.hidden_size if info.deepstack_of(modality) else None
     try:
         ours = []
         for item in items:
-            batch = adapter.preprocess(modality, [item])
+            batch = adapter.processor.preprocess(modality, [item])
             rows = adapter.forward(batch)
             ours.append(rows[:, :width] if width else rows)
-        fused_batch = adapter.preprocess(modality, list(items))
+        fused_batch = adapter.processor.preprocess(modality, list(items))
         fused = adapter.forward(fused_batch)
         fused = fused[:, :width] if width else fused
     except ItemError as exc:

@@ -123,13 +123,13 @@ def test_video_rows_equal_what_the_transformers_video_processor_gives(folder, ca
         video = clip(frames, width, height)
         want = reference(videos=[video], do_sample_frames=False, return_tensors="pt")
         grid = tuple(want["video_grid_thw"][0].tolist())
-        layout = adapter.item_layout("video", video)
+        layout = adapter.processor.item_layout("video", video)
         assert layout.grid_thw == grid, (case, frames, width, height)
         assert layout.tokens == grid[0] * grid[1] * grid[2] // 4
         if index in small:
-            assert torch.equal(adapter.preprocess("video", [video]).inputs["pixel_values"],
+            assert torch.equal(adapter.processor.preprocess("video", [video]).inputs["pixel_values"],
                                want["pixel_values_videos"]), (case, frames, width, height)
-    batch = adapter.preprocess("video", [clip(*clips[i]) for i in small])
+    batch = adapter.processor.preprocess("video", [clip(*clips[i]) for i in small])
     assert adapter.forward(batch).shape[0] == batch.total_tokens
 
 
@@ -138,7 +138,7 @@ def test_the_issue_case_a_published_layout_gets_the_image_range_not_the_video_de
     # (12 rows), where Qwen2-VL's video defaults would make 3x20x28 (420 rows).
     write_case(folder, {"preprocessor_config.json": PREPROCESSOR})
     adapter = load_checkpoint(folder, CPU, F32)
-    assert adapter.item_layout("video", clip(5, 70, 50)).tokens == 12
+    assert adapter.processor.item_layout("video", clip(5, 70, 50)).tokens == 12
 
 
 def test_image_settings_come_from_the_nested_processor_config_first(folder):
@@ -152,10 +152,11 @@ def test_image_settings_come_from_the_nested_processor_config_first(folder):
         reference = AutoImageProcessor.from_pretrained(folder)
     finally:
         write_case(folder, {"preprocessor_config.json": PREPROCESSOR})
-    assert (adapter.image_size.keywords["min_pixels"], adapter.image_size.keywords["max_pixels"]) == (6272, 12544)
+    assert (adapter.processor.image_size.keywords["min_pixels"],
+            adapter.processor.image_size.keywords["max_pixels"]) == (6272, 12544)
     images = [clip(1, width, height)[0] for width, height in ((640, 480), (56, 56), (300, 90))]
     want = reference(images=images, return_tensors="pt")["image_grid_thw"].tolist()
-    assert [list(adapter.item_layout("image", image).grid_thw) for image in images] == want
+    assert [list(adapter.processor.item_layout("image", image).grid_thw) for image in images] == want
     assert want != AutoImageProcessor.from_pretrained(folder)(images=images, return_tensors="pt")[
         "image_grid_thw"].tolist(), "the nested settings must make a difference in this test"
 

@@ -3,7 +3,7 @@
 `VideoClip` is a list of PIL frames (every family takes it as one) that also says where its frames
 come from, as `transformers` records it in a video's `VideoMetadata` once frames are sampled: the
 source's frame rate (`fps`) and each frame's index in the source (`frames_indices`). The server's
-decoder makes one for every video item (`encode_server/media/decoding.py`).
+decoder makes one for every video item (`encode_server.media.decoding`).
 
 Some models write the time of each temporal patch into the prompt, and SGLang's prefill side builds
 the same prompt from the `video_timestamps` an encoder sends; each frame is at `index / fps` seconds:

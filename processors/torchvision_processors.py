@@ -4,9 +4,9 @@ Kimi K2.5's and MiniMax-M3's image processors, and the video processors of Kimi 
 MiniMax-M3, exist in `transformers` 5.23 only with the torchvision backend. Their families run them as they
 are (no re-implementation): `load_processors` builds them from the folder as `AutoImageProcessor` and
 `AutoVideoProcessor` do, and refuses, naming torchvision, where it is missing. A video item is a list of
-frames (`encode_server/media` decodes a file at `--video-fps` into one): `clip_tensor` stacks them the way
+frames (the server decodes a file at `--video-fps` into one): `clip_tensor` stacks them the way
 `transformers` takes a video (frames of another size than the first are resized to it first, as
-`inputs/video_patches.py` does), and `process_clip` runs the video processor on that one clip with
+`video_patches.py` does), and `process_clip` runs the video processor on that one clip with
 `do_sample_frames=False`: the frames are the sampled video, the prefill side's equivalent call is
 `processor(videos=frames, do_sample_frames=False)`.
 
@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from encode_server.models.base import ItemError
-from encode_server.models.loading.checkpoint import CheckpointError
+from processors.base import CheckpointError, ItemError
 
 #: (frames, height, width) of a clip -> its `(t, h, w)` patch grid, from the video processor's own sizing rule.
 ClipGrid = Callable[[int, int, int], tuple[int, int, int]]

@@ -31,8 +31,8 @@ import torch
 from encode_server.delivery.sglang_wire import SglangWire
 from encode_server.media.decoding import MediaLimits, decode_frames, decode_video
 from encode_server.models import ItemLayout
-from encode_server.models.inputs.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 from encode_server.records import EncodedPart, PartMeta
+from processors.video_clip import VideoClip, clip_timestamps, first_frame_timestamps, patch_timestamps
 from tests.support.checkpoints.prompts import VISION_PROMPTS, build, prompt_timestamps
 from tests.support.helpers import InProcessServer, Pull, png_bytes
 from tests.support.sglang_frames import load
@@ -112,7 +112,7 @@ def qwen3(tmp_path_factory):
 def test_timestamps_are_what_the_transformers_processor_writes_for_the_same_frames(qwen3, fps, indices):
     adapter, processor = qwen3
     frames = clip(len(indices), 64, 48, len(indices))
-    layout = adapter.item_layout("video", VideoClip(frames, fps, indices))
+    layout = adapter.processor.item_layout("video", VideoClip(frames, fps, indices))
     metadata = {"fps": fps, "frames_indices": list(indices), "total_num_frames": indices[-1] + 1}
     out = processor(text=[VISION_PROMPTS.prompt("video")], videos=[frames], video_metadata=[metadata],
                     do_sample_frames=False, return_tensors="pt")
@@ -131,9 +131,9 @@ def test_fused_preprocess_keeps_each_clips_timestamps(qwen3):
     adapter, _ = qwen3
     clips = [VideoClip(clip(n, 64, 48, n), fps, indices) for n, (fps, indices) in
              ((4, SAMPLINGS[0]), (5, SAMPLINGS[2]), (3, SAMPLINGS[4]))]
-    batch = adapter.preprocess("video", clips)
+    batch = adapter.processor.preprocess("video", clips)
     assert [layout.video_timestamps for layout in batch.layouts] == [
-        adapter.item_layout("video", item).video_timestamps for item in clips]
+        adapter.processor.item_layout("video", item).video_timestamps for item in clips]
     assert adapter.forward(batch).shape[0] == batch.total_tokens
 
 
@@ -142,9 +142,9 @@ def test_families_whose_prefill_side_reads_no_timestamps_have_none():
 
     builtins = builtin_models()
     frames = VideoClip(clip(4, 64, 64, 3), 2.0, range(4))
-    assert builtins["tiny-qwen3-vl"](CPU, F32).item_layout("video", frames).video_timestamps == (0.25, 1.25)
-    assert builtins["tiny-qwen2.5-vl"](CPU, F32).item_layout("video", frames).video_timestamps is None
-    assert builtins["tiny-glm4v"](CPU, F32).item_layout("video", frames).video_timestamps is None
+    assert builtins["tiny-qwen3-vl"](CPU, F32).processor.item_layout("video", frames).video_timestamps == (0.25, 1.25)
+    assert builtins["tiny-qwen2.5-vl"](CPU, F32).processor.item_layout("video", frames).video_timestamps is None
+    assert builtins["tiny-glm4v"](CPU, F32).processor.item_layout("video", frames).video_timestamps is None
     assert "video_timestamps" not in ItemLayout(tokens=4, grid_thw=(1, 4, 4)).as_json()
 
 
@@ -170,7 +170,7 @@ def test_minimax_timestamps_are_what_its_transformers_processor_writes(minimax, 
 
     adapter, processor = minimax
     frames = clip(len(indices), 56, 84, len(indices))
-    layout = adapter.item_layout("video", VideoClip(frames, fps, indices))
+    layout = adapter.processor.item_layout("video", VideoClip(frames, fps, indices))
     metadata = VideoMetadata(total_num_frames=indices[-1] + 1, fps=fps, frames_indices=list(indices))
     inputs = processor.video_processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
                                        do_resize=False, return_metadata=True, return_tensors="pt")
@@ -219,7 +219,7 @@ def test_a_video_file_gives_its_frame_rate_and_the_indices_of_the_frames_taken(q
     targets = [index * (frames / rate) / count for index in range(count)]
     assert list(sampled.frames_indices) == [next(i for i in range(frames) if i / rate + 1e-6 >= target)
                                             for target in targets]
-    layout = adapter.item_layout("video", sampled)
+    layout = adapter.processor.item_layout("video", sampled)
     exact = processor._calculate_timestamps(list(sampled.frames_indices), float(rate), 2)
     assert list(layout.video_timestamps) == exact
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 from PIL import Image
 
-from encode_server.models.base import ItemError
-from encode_server.models.inputs.video_patches import CLIP_SIZING, VideoPatcher, qwen2_vl_video_settings_class
 from encode_server.models.registry import load_checkpoint
+from processors.base import ItemError
+from processors.video_patches import CLIP_SIZING, VideoPatcher, qwen2_vl_video_settings_class
 from tests.support.checkpoints.qwen_vl import QWEN_VL_TOKENS, qwen2_vl_checkpoint, qwen25_vl_checkpoint
 from tests.support.helpers import ROOT, WITHOUT_TORCHVISION
 from tests.support.tiny_parts import tiny_tokenizer
@@ -85,7 +85,7 @@ def test_the_pixels_are_the_video_processors_own(full):
     for clip in CLIPS:
         frames = frames_of(*clip, seed=3)
         want = processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
-        batch = adapter.preprocess("video", [frames])
+        batch = adapter.processor.preprocess("video", [frames])
         assert batch.inputs["grid_thw"].tolist() == want["video_grid_thw"].tolist()
         assert torch.equal(batch.inputs["pixel_values"], want["pixel_values_videos"]), clip
 
@@ -151,8 +151,8 @@ PATCHES_WITHOUT_TORCHVISION = """
 import json, sys
 import numpy as np
 from transformers.utils import is_torchvision_available
-from encode_server.models.base import ItemError
-from tests.models.inputs.test_video_parity import PATCHER_CLIPS, SETTINGS, frames_of, patcher_for
+from processors.base import ItemError
+from tests.processors.test_video_parity import PATCHER_CLIPS, SETTINGS, frames_of, patcher_for
 
 assert not is_torchvision_available()
 sums = []

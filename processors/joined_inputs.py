@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from encode_server.models.base import ItemLayout
+from processors.base import ItemLayout
 
 
 def join_signature(inputs: dict[str, Any]) -> tuple | None:

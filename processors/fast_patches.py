@@ -13,7 +13,7 @@ Only the step after the resize changes: `preprocess`, its argument handling, RGB
 resize itself stay `transformers`' own. An image that is not uint8 after the resize (a float array
 given directly) takes the stock path. `accelerated` gives a copy of an exact stock instance the
 twin's class (a subclass may change any step, so it is left alone) and returns anything else as it
-is. tests/models/inputs/test_fast_patches.py compares every output bit with the installed `transformers`.
+is. tests/processors/test_fast_patches.py compares every output bit with the installed `transformers`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformers.image_processing_utils import BatchFeature
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from encode_server.models.base import PIXELS_ALLOCATOR, new_pixels
+from processors.base import PIXELS_ALLOCATOR, new_pixels
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,4 +1,5 @@
-"""The audio half of an Omni thinker (Qwen2.5-Omni, Qwen3-Omni): clips to log-mel frames to the audio tower's rows.
+"""The Omni thinkers' processor (Qwen2.5-Omni, Qwen3-Omni): images and videos on the Qwen grid, audio clips to
+log-mel frames (the audio tower's inputs).
 
 A clip (mono, at the sampling rate the model's full processor passes, 16 kHz) becomes Whisper log-mel
 frames, computed for each clip on its own with the settings the full processor uses (its `audio_kwargs`
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from encode_server.models.base import ItemError, ItemLayout, PreparedBatch
+from processors.base import ItemError, ItemLayout, PreparedBatch
+from processors.grid import GridProcessor, qwen_image_size_of
 
 
 class OmniAudioRule:
@@ -57,7 +59,7 @@ class OmniAudioRule:
 
 
 class OmniAudio:
-    """Layouts, features and the tower forward of an Omni thinker's audio tower (holds no module itself)."""
+    """Layouts and log-mel features of an Omni thinker's audio clips."""
 
     def __init__(self, rule: OmniAudioRule, feature_extractor: Any, sampling_rate: int,
                  extractor_kwargs: dict[str, Any] | None = None) -> None:
@@ -109,17 +111,25 @@ class OmniAudio:
         return PreparedBatch(modality=modality, layouts=layouts,
                              inputs={"input_features": torch.cat(features), "feature_lens": lens})
 
-    def forward(self, tower: torch.nn.Module, batch: PreparedBatch, device: torch.device,
-                dtype: torch.dtype) -> torch.Tensor:
-        """The batch's rows `[sum rows, width]` (on `device`), one tower call per `tower_groups` group."""
-        lens = [int(n) for n in batch.inputs["feature_lens"].tolist()]
-        starts = np.cumsum([0, *lens]).tolist()
-        features = batch.inputs["input_features"]
-        rows: list[torch.Tensor | None] = [None] * len(lens)
-        for group in self.rule.tower_groups(lens):
-            clips = torch.cat([features[starts[i]:starts[i + 1]] for i in group])
-            group_lens = torch.tensor([lens[i] for i in group], dtype=torch.long, device=device)
-            out = tower(clips.to(device=device, dtype=dtype).T, feature_lens=group_lens).last_hidden_state
-            for index, part in zip(group, torch.split(out, [batch.layouts[i].tokens for i in group])):
-                rows[index] = part
-        return torch.cat(rows)  # type: ignore[arg-type]
+
+MODALITIES = ("image", "video", "audio")
+
+
+class OmniThinkerProcessor(GridProcessor):
+    """Images and videos as `GridProcessor` makes them (the Qwen2-VL image processor's sizing), audio through
+    `OmniAudio`."""
+
+    def __init__(self, image_processor: Any, video: Any, audio: OmniAudio) -> None:
+        super().__init__(image_processor, video, qwen_image_size_of(image_processor), modalities=MODALITIES)
+        self.audio = audio
+        self.sampling_rate = audio.sampling_rate  # the decoder resamples clips to it
+
+    def item_layout(self, modality: str, item: Any) -> ItemLayout:
+        if modality == "audio":
+            return self.audio.item_layout(item)
+        return super().item_layout(modality, item)
+
+    def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
+        if modality == "audio":
+            return self.audio.preprocess(modality, items)
+        return super().preprocess(modality, items)

@@ -10,7 +10,7 @@ setting comes from the `transformers` video processor object itself, loaded from
 `AutoVideoProcessor` would (`load_video_processor`; instantiating it needs no torchvision, only
 running it does, except Qwen2-VL's whose module imports torchvision: a settings-only twin stands in).
 Its values equal those processors' own, value for value, with torchvision installed and hidden
-(`tests/models/inputs/test_video_parity.py`):
+(`tests/processors/test_video_parity.py`):
 
 1. the frames become a `(T, C, H, W)` uint8 tensor, as `make_batched_videos` + `_prepare_input_videos`;
 2. the clip's frame size comes from the processor class's own `resize` logic (`CLIP_SIZING`: its
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from encode_server.models.base import ItemError
+from processors.base import ItemError
 
 #: PIL resample codes -> `interpolate` modes torchvision uses for them on uint8 images.
 _RESAMPLE_MODES = {Image.Resampling.BICUBIC: "bicubic", Image.Resampling.BILINEAR: "bilinear"}

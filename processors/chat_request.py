@@ -6,7 +6,7 @@ The item goes in as the content of one user message, encoded as a file would be 
 WAV at the extractor's rate, which `mistral_common` reads back sample for sample; an image as PNG), and the
 processor's own `apply_chat_template(tokenize=True, return_dict=True)` gives the ids and features, as a
 monolithic server that receives the same message computes them. The generic path's probe tries this form
-last (`generic/probes.py`).
+last (`encode_server/models/generic/probes.py`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProce
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encode_server.models import load_adapter
-from encode_server.models.inputs.fast_patches import FAST_TWINS, FastQwen2VLImageProcessorPil, accelerated
+from processors.fast_patches import FAST_TWINS, FastQwen2VLImageProcessorPil, accelerated
 
 pytestmark = pytest.mark.quick
 
@@ -108,7 +108,7 @@ def test_accelerated_copies_only_the_stock_class():
 def test_the_qwen_and_glm4v_adapters_use_it():
     for name in ("tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"):
         adapter = load_adapter(name, "cpu", "float32")
-        assert type(adapter.image_processor) in FAST_TWINS.values(), name
+        assert type(adapter.processor.image_processor) in FAST_TWINS.values(), name
 
 
 def test_gpu_preprocessing_finds_the_stock_class_behind_the_copy():

@@ -1,1 +1,0 @@
-"""Preprocessing inside the model layer: fast patches, Qwen video settings and parity, timestamps."""
