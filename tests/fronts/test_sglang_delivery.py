@@ -214,7 +214,7 @@ def test_audio_grid_is_the_processors_mel_frame_lengths():
     adapter = tiny_qwen2_audio(torch.device("cpu"), torch.float32)
     clips = [np.zeros(16000, dtype=np.float32), np.zeros(5000, dtype=np.float32)]
     layouts = [adapter.processor.item_layout("audio", clip) for clip in clips]
-    hop = adapter.hop_length
+    hop = adapter.processor.hop_length
     assert [layout.mel_frames for layout in layouts] == [-(-len(clip) // hop) for clip in clips]
     prepared = adapter.processor.preprocess("audio", clips)
     assert [layout.mel_frames for layout in prepared.layouts] == [layout.mel_frames for layout in layouts]

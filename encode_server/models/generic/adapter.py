@@ -46,7 +46,13 @@ import torch
 
 from encode_server.models.base import EncoderAdapter, ModelInfo
 from encode_server.models.family import Family
-from encode_server.models.generic.language_model_trap import Captured, TextEmbedding, build_trapped, model_class_of
+from encode_server.models.generic.language_model_trap import (
+    Captured,
+    TextEmbedding,
+    build_on_meta,
+    build_trapped,
+    model_class_of,
+)
 from encode_server.models.generic.probes import PlaceholderProbes, first_line
 from encode_server.models.loading.checkpoint import CheckpointError, read_config
 from encode_server.models.towers.vision_parts import load_model_part
@@ -157,7 +163,7 @@ def generic_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) 
         raise CheckpointError(f"{folder}: model_type {model_type!r}: {exc}") from None
     model = load_model_part(folder, model, device)
     adapter = GenericAdapter(folder.name, model_type, model, embedding, processor, hidden_size, device, dtype)
-    adapter.probe(folder)
+    adapter.probe(folder, lambda: build_on_meta(model_class, config, dtype))
     return adapter
 
 

@@ -37,11 +37,19 @@ class TextEmbedding(torch.nn.Module):
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.pattern = False
+        #: The model key of the table this stands in for (`...embed_tokens.weight`), for `kept` rows.
+        self.source = ""
+        #: Token id -> its row of the real table, for the placeholders a model adds its features onto
+        #: (Molmo2): the language model's inputs there are that row plus the features, so the row is served.
+        self.kept: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         shape = (*input_ids.shape, self.hidden_size)
         if not self.pattern:
-            return torch.zeros(shape, dtype=self.dtype, device=input_ids.device)
+            rows = torch.zeros(shape, dtype=self.dtype, device=input_ids.device)
+            for token, row in self.kept.items():
+                rows[input_ids == token] = row.to(device=rows.device, dtype=rows.dtype)
+            return rows
         return self.pattern_of(input_ids).to(self.dtype)
 
     @property
@@ -137,6 +145,8 @@ def install_trap(model: torch.nn.Module, hidden_size: int, dtype: torch.dtype) -
     """Replace the model's language model (or first decoder layer) by a trap and its embedding table by a
     `TextEmbedding`; drop the LM head. Returns the embedding stand-in (to switch it to the pattern)."""
     embedding = TextEmbedding(hidden_size, dtype)
+    table = model.get_input_embeddings()
+    embedding.source = next((f"{name}.weight" for name, module in model.named_modules() if module is table), "")
     named = [name for name, _ in model.named_modules() if name.rpartition(".")[2] in LANGUAGE_MODEL_NAMES]
     if named:
         owner, name = _owner(model, min(named, key=lambda name: name.count(".")))
@@ -166,11 +176,70 @@ def install_trap(model: torch.nn.Module, hidden_size: int, dtype: torch.dtype) -
     return embedding
 
 
-def build_trapped(model_class: type, config: Any, dtype: torch.dtype, hidden_size: int) -> tuple[torch.nn.Module,
-                                                                                               TextEmbedding]:
-    """The model on the meta device in `dtype`, its language model replaced by a trap."""
+def build_on_meta(model_class: type, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole model on the meta device in `dtype` (no memory, no init)."""
     from transformers import initialization
 
     with torch.device("meta"), initialization.meta_device_safe_creation_ops(), initialization.no_tie_weights():
-        model = model_class._from_config(config, dtype=dtype)
+        return model_class._from_config(config, dtype=dtype)
+
+
+def build_trapped(model_class: type, config: Any, dtype: torch.dtype, hidden_size: int) -> tuple[torch.nn.Module,
+                                                                                               TextEmbedding]:
+    """The model on the meta device in `dtype`, its language model replaced by a trap."""
+    model = build_on_meta(model_class, config, dtype)
     return model, install_trap(model, hidden_size, dtype)
+
+
+def embedding_rows(folder: Path, model: torch.nn.Module, key: str, tokens: list[int]) -> dict[int, torch.Tensor]:
+    """Rows of the language model's input embedding table (`key`, a model key) for these token ids, read from the
+    folder's safetensors alone (the table is never loaded whole). The checkpoint key comes through `transformers`'
+    own conversion mapping for the whole model (`model`, on the meta device: some of its renamings are scoped to
+    the language model's class), as `from_pretrained` finds it; a table stored in parts concatenated on
+    load (Molmo2's published `wte.embedding` + `wte.new_embedding`) is read from the part holding each row."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    from encode_server.models.loading.checkpoint import _shard_files
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    files = _shard_files(folder)
+    sources: list[tuple[str, str | None]] = []
+    for checkpoint_key in sorted(files, key=dot_natural_key):
+        renamed, pattern = rename_source_key(checkpoint_key, renamings, converters, model.base_model_prefix,
+                                             {key: None})
+        if renamed == key or checkpoint_key == key:
+            sources.append((checkpoint_key, pattern))
+    if not sources:
+        raise CheckpointError(f"{folder}: the checkpoint holds no {key}, the embedding rows its placeholders add")
+    if len(sources) > 1 or sources[0][1] is not None:
+        converter = next((c for c in converters if sources[0][1] in c.source_patterns), None)
+        if converter is None or [type(op) for op in converter.operations] != [Concatenate] or \
+                converter.operations[0].dim != 0:
+            raise CheckpointError(f"{folder}: its embedding table {key} is stored converted, which is not read "
+                                  "row by row here")
+        order = {pattern: index for index, pattern in enumerate(converter.source_patterns)}
+        sources.sort(key=lambda source: order[source[1]])
+    rows: dict[int, torch.Tensor] = {}
+    start = 0
+    for checkpoint_key, _ in sources:
+        with safe_open(str(files[checkpoint_key]), "pt") as handle:
+            part = handle.get_slice(checkpoint_key)
+            count = int(part.get_shape()[0])
+            for token in tokens:
+                if start <= token < start + count:
+                    rows[token] = part[token - start:token - start + 1][0].clone()
+        start += count
+    missing = sorted(set(tokens) - set(rows))
+    if missing:
+        raise CheckpointError(f"{folder}: its embedding table {key} has no rows for tokens {missing}")
+    return rows

@@ -4,19 +4,23 @@ the probe items and the prompts they run in.
 
 Each probe size runs three times: item A with text embeddings of zeros, item A with a patterned text embedding,
 and item B (same size, other content) with zeros. A token is a placeholder if the rows at its positions change
-with the item; they must not change with the text embedding. Whatever cannot be served raises a
-`CheckpointError` naming why.
+with the item; they must not change with the text embedding, unless the model adds its features onto the
+placeholder's own embedding row (Molmo2): then the rows served are that row (read from the checkpoint, the one
+slice of the table this server holds) plus the features, what the language model receives there. Whatever cannot
+be served raises a `CheckpointError` naming why.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from encode_server.models.base import ModelInfo
+from encode_server.models.generic.language_model_trap import embedding_rows
 from encode_server.models.loading.checkpoint import CheckpointError
 from processors.chat_request import CHAT_REQUEST
 from processors.families.generic import MODALITY_PROCESSORS, probe_items
@@ -70,7 +74,7 @@ class PlaceholderProbes:
     """The start-up probes of an adapter that runs a model's forward up to its language model. Uses the adapter's
     `processor`, `embedding` (its `pattern` switch), `language_model_inputs`, `_process`, `_prepare_one`,
     `_rows`, `_part`, `hidden_size`, `sampling_rate`, `dtype`, `device`, `name` and `model_type`; `probe` fills
-    its `filled`, `prompts`, `batchable`, `placeholders` and `info`."""
+    its `filled`, `prompts`, `batchable`, `placeholders` and `info`, and the embedding's `kept` rows."""
 
     def _probe_run(self, inputs: dict[str, Any], pattern: bool) -> torch.Tensor:
         self.embedding.pattern = pattern
@@ -120,6 +124,8 @@ class PlaceholderProbes:
         fills with constants (framing embedded by the model itself) are not rows."""
         placeholders: set[int] = set()
         text_bound: set[int] = set()
+        adds: set[int] = set()  # placeholders whose rows are the features added onto the token's own embedding
+        plain: set[int] = set()  # placeholders whose rows are the features alone
         for item, other in probe_items(modality, self.processor.sampling_rate):
             inputs = self._probe_inputs(modality, item, prompt)
             other_inputs = self._probe_inputs(modality, other, prompt)
@@ -134,19 +140,37 @@ class PlaceholderProbes:
             independent = self.same_rows(zeros, patterned)
             varies = ~self.same_rows(zeros, other_zeros)
             mixed = varies & ~independent
-            if bool(mixed.any()):
-                raise CheckpointError(f"{int(mixed.sum())} positions (tokens {sorted(set(ids[mixed].tolist()))[:8]}) "
+            added = mixed & self.adds_text_embedding(ids, zeros, patterned)
+            if bool((mixed & ~added).any()):
+                rest = mixed & ~added
+                raise CheckpointError(f"{int(rest.sum())} positions (tokens {sorted(set(ids[rest].tolist()))[:8]}) "
                                       "mix the model's features with the text embedding, which this server does "
                                       "not hold")
             placeholders.update(ids[varies].tolist())
-            text_bound.update(ids[~independent].tolist())
+            text_bound.update(ids[~independent & ~added].tolist())
+            adds.update(ids[added].tolist())
+            plain.update(ids[varies & ~added].tolist())
         if not placeholders:
             raise CheckpointError(f"no token of a {modality} prompt carries the item's features")
         partly = placeholders & text_bound
         if partly:
             raise CheckpointError(f"tokens {sorted(partly)} hold features at some positions and the text embedding at "
                                   "others, so rows cannot be counted from the tokens")
+        if adds & plain:
+            raise CheckpointError(f"tokens {sorted(adds & plain)} get the features added onto their own embedding at "
+                                  "some positions and not at others")
+        self.added_tokens = sorted(adds)
         return torch.tensor(sorted(placeholders))
+
+    def adds_text_embedding(self, ids: torch.Tensor, zeros: torch.Tensor, patterned: torch.Tensor) -> torch.Tensor:
+        """Per position: whether the row under the patterned text embedding is the row under zeros plus that
+        token's own pattern row, i.e. the model adds its features onto the placeholder's embedding (Molmo2),
+        within the dtype's rounding."""
+        pattern = self.embedding.pattern_of(ids).to(self.dtype).double()  # as the model was given it
+        added = zeros.double() + pattern
+        tolerance = 1e-5 if self.dtype == torch.float32 else 1e-2
+        scale = max(float(added.abs().max()), 1e-30)
+        return ((patterned.double() - added).abs() <= tolerance * scale).all(-1)
 
     def joins_exactly(self, modality: str) -> bool:
         """Whether two same-size probe items run as one forward give the rows each gives alone (within the
@@ -169,9 +193,12 @@ class PlaceholderProbes:
                 return False
         return True
 
-    def probe(self, folder: Path) -> None:
-        """Find, per modality the processor has, the prompt and filled tokens; keep the modalities that pass."""
+    def probe(self, folder: Path, whole_model: Callable[[], torch.nn.Module]) -> None:
+        """Find, per modality the processor has, the prompt and filled tokens; keep the modalities that pass.
+        `whole_model` builds the model with its language model on the meta device, whose conversion mapping
+        finds the embedding rows a model adds its features onto."""
         reasons = {}
+        added: set[int] = set()
         for modality in MODALITY_PROCESSORS:
             if self.processor._part(modality) is None:
                 continue
@@ -179,6 +206,7 @@ class PlaceholderProbes:
                 try:
                     self.processor.filled[modality] = self.filled_tokens(modality, prompt)
                     self.processor.prompts[modality] = prompt
+                    added.update(self.added_tokens)
                     self.batchable[modality] = self.joins_exactly(modality)
                     break
                 except CheckpointError as exc:
@@ -191,6 +219,11 @@ class PlaceholderProbes:
         for modality, reason in reasons.items():
             if modality not in self.processor.filled:
                 log.warning("%s: %s is not served: %s", self.name, modality, reason)
+        if added:  # the language model's inputs at these placeholders are their embedding rows plus the features
+            rows = embedding_rows(folder, whole_model(), self.embedding.source, sorted(added))
+            self.embedding.kept = {token: row.to(device=self.device, dtype=self.dtype) for token, row in rows.items()}
+            log.info("%s: the rows at tokens %s include each token's own embedding row (the model adds its features "
+                     "onto it)", self.name, sorted(added))
         tokenizer = getattr(self.processor.full, "tokenizer", None)
         self.placeholders = {modality: [tokenizer.convert_ids_to_tokens(int(t)) if tokenizer else str(int(t))
                                         for t in ids] for modality, ids in self.processor.filled.items()}

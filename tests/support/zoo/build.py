@@ -454,8 +454,10 @@ def build(model_type: str, folder: Path, seed: int = 0) -> dict[str, Any]:
     tokens = modality_token_ids(config, processor, tokenizer)
     for modality, filled in FILLED_TOKENS.get(model_type, {}).items():
         number = tokenizer.get_vocab()[filled]
+        names = (f"{modality}_token_id", f"{modality}_token_index")
+        names += tuple(getattr(config, "attribute_map", {}).get(name) for name in names)  # Molmo2's image_patch_id
         for path in shrink.token_id_attributes(config):
-            if path.rsplit(".", 1)[-1] in (f"{modality}_token_id", f"{modality}_token_index"):
+            if path.rsplit(".", 1)[-1] in names:
                 shrink.set_path(config, path, number)
                 assigned[path] = number
         tokens[modality] = (tokens[modality][0], number)

@@ -77,9 +77,11 @@ IMAGE_PROCESSOR_SETTINGS: dict[str, dict[str, Any]] = {
 
 #: Types whose rows fill another token than the one a prompt holds (and the processor names `image_token`): the
 #: token the config's placeholder id must name, as the Hub folder's config does (Llama 4 expands <|image|> into
-#: <|patch|> tokens, and its `image_token_index` is <|patch|>'s id).
+#: <|patch|> tokens, and its `image_token_index` is <|patch|>'s id; Molmo2 expands <|image|> and <|video|> into
+#: <im_patch> tokens, its `image_patch_id`).
 FILLED_TOKENS: dict[str, dict[str, str]] = {"llama4": {"image": "<|patch|>"}, "aya_vision": {"image": "<|IMG_PATCH|>"},
-                                            "ovis2": {"image": "<IMG_ATOM>"}}
+                                            "ovis2": {"image": "<IMG_ATOM>"},
+                                            "molmo2": {"image": "<im_patch>", "video": "<im_patch>"}}
 
 #: Per-type config overrides (nested dicts), on top of the generic shrink.
 _GLM_TEXT = {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
