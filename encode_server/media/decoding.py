@@ -183,10 +183,11 @@ class MediaLimits:
 
     @classmethod
     def from_settings(cls, settings: Any, adapter: Any) -> MediaLimits:
-        """The limits of a server's `Settings`, audio resampled to the rate of the adapter's processor."""
+        """The limits of a server's `Settings`, audio resampled to the rate of the adapter's processor (16 kHz
+        without an adapter)."""
         return cls(
             max_image_pixels=settings.max_image_pixels, max_fetch_bytes=settings.max_request_bytes,
-            audio_sample_rate=adapter.processor.sampling_rate,
+            audio_sample_rate=16000 if adapter is None else adapter.processor.sampling_rate,
             max_audio_seconds=settings.max_audio_seconds, video_fps=settings.video_fps,
             max_video_frames=settings.max_video_frames, allow_private_urls=settings.allow_private_urls,
             allowed_local_media_dir=settings.allowed_local_media_dir,

@@ -54,16 +54,6 @@ class KimiK25Adapter(VisionPartAdapter):
         self.merge_area = merge[0] * merge[1]
 
 
-def check_consistent(config: Any, image_processor: Any, video_processor: Any) -> None:
-    """Refuse processors whose patches or merging are not the vision tower's."""
-    vision = config.vision_config
-    merge = tuple(int(k) for k in vision.merge_kernel_size)
-    for what, processor in (("image", image_processor), ("video", video_processor)):
-        if int(processor.patch_size) != int(vision.patch_size) or (int(processor.merge_size),) * 2 != merge:
-            raise CheckpointError(f"kimi_k25: the {what} processor (patch {processor.patch_size}, merge "
-                                  f"{processor.merge_size}) does not match the vision tower (patch "
-                                  f"{vision.patch_size}, merge kernel {list(merge)})")
-
     def _rows(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """The tower and projector on packed items or chunks of one frame count: `get_image_features` before its
         split (whose sizes, `t*h*w/4` a chunk, miss the temporal pooling in transformers 5.23: only `t = 1` splits)."""
@@ -89,6 +79,16 @@ def check_consistent(config: Any, image_processor: Any, video_processor: Any) ->
             for index, part in zip(chosen, torch.split(group, [merged[i] for i in chosen])):
                 rows[index] = part
         return self.flat_rows(rows)
+
+def check_consistent(config: Any, image_processor: Any, video_processor: Any) -> None:
+    """Refuse processors whose patches or merging are not the vision tower's."""
+    vision = config.vision_config
+    merge = tuple(int(k) for k in vision.merge_kernel_size)
+    for what, processor in (("image", image_processor), ("video", video_processor)):
+        if int(processor.patch_size) != int(vision.patch_size) or (int(processor.merge_size),) * 2 != merge:
+            raise CheckpointError(f"kimi_k25: the {what} processor (patch {processor.patch_size}, merge "
+                                  f"{processor.merge_size}) does not match the vision tower (patch "
+                                  f"{vision.patch_size}, merge kernel {list(merge)})")
 
 
 def kimi_k25_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> KimiK25Adapter:

@@ -55,6 +55,12 @@ class MiniMaxM3VLAdapter(VisionPartAdapter):
         self.packed_attention = use_packed_attention_in_layers(self.model.vision_tower, "self_attn")
 
 
+    @torch.inference_mode()
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        pixels = self.to_device(batch.inputs["pixel_values"])
+        features = self.model.get_image_features(pixels, batch.inputs["grid_thw"].to(self.device))
+        return self.flat_rows(features.pooler_output)
+
 def check_consistent(config: Any, image_processor: Any, video_processor: Any) -> None:
     """Refuse processors whose patches, merging or temporal patches are not the vision tower's."""
     vision = config.vision_config
@@ -65,12 +71,6 @@ def check_consistent(config: Any, image_processor: Any, video_processor: Any) ->
             raise CheckpointError(f"minimax_m3_vl: the {what} processor (patch, merge, temporal patch {ours}) "
                                   f"does not match the vision tower {tower}")
 
-
-    @torch.inference_mode()
-    def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        pixels = self.to_device(batch.inputs["pixel_values"])
-        features = self.model.get_image_features(pixels, batch.inputs["grid_thw"].to(self.device))
-        return self.flat_rows(features.pooler_output)
 
 
 def minimax_m3_vl_from_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> MiniMaxM3VLAdapter:
