@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from encode_server.models.families.dots3_note import FAMILY, audio_rows
+from encode_server.models.families.dots3_note import FAMILY
 from encode_server.models.loading.checkpoint import CheckpointError
 from encode_server.models.registry import family_for_model_type, load_checkpoint
 from processors.base import ItemError
+from processors.families.dots3_note import audio_rows
 from tests.support.checkpoints.dots3_note import DOTS_SAMPLING_RATE, dots3_note_checkpoint
 from tests.support.family_fixtures import (
     check_fused_equals_alone,

@@ -167,7 +167,7 @@ def test_the_thinker_splices_these_rows_at_its_placeholders(checkpoints, adapter
 def test_qwen3_omni_short_clips_go_through_the_tower_apart(adapters):
     """A clip shorter than one 100-frame chunk, fused with longer ones in one tower call, would be padded and
     get other rows; the adapter gives it the rows it has alone (the test's tiny model has conv biases)."""
-    from encode_server.models.families.qwen3_omni_moe import Qwen3OmniAudioRule
+    from processors.families.qwen_omni import Qwen3OmniAudioRule
 
     adapter = adapters["qwen3_omni_moe", "nested"]
     clips = [audio_clip(8000, 1), audio_clip(37_937, 2)]  # 50 frames; 379 frames
