@@ -142,7 +142,7 @@ def _inprocess_loop(adapter, limits, images: list[bytes], batch_size: int, secon
 
     def one_batch(batch: list[bytes]) -> None:
         decoded = [decode_bytes("image", data, limits, "x") for data in batch]
-        adapter.forward(adapter.preprocess("image", decoded))
+        adapter.forward(adapter.processor.preprocess("image", decoded))
 
     one_batch(images[:1])  # warm-up
     done, started, cpu_started = 0, time.perf_counter(), time.process_time()
@@ -176,13 +176,13 @@ def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
     with one_core():
         for data in images[:len(CAMERA_SIZES)]:
             decode_ms, decoded = timed(lambda data=data: decode_bytes("image", data, limits, "x"))
-            processor_ms, prepared = timed(lambda decoded=decoded: adapter.preprocess("image", [decoded]))
+            processor_ms, prepared = timed(lambda decoded=decoded: adapter.processor.preprocess("image", [decoded]))
             forward_ms, _ = timed(lambda prepared=prepared: adapter.forward(prepared))
             stages["x".join(map(str, decoded.size))] = {"decode_ms": decode_ms, "processor_ms": processor_ms,
                                                           "forward_ms": forward_ms}
         # A batch of every image, prepared one by one (as the pool returns them): concatenated first, or not.
-        per_item = [adapter.preprocess("image", [decode_bytes("image", data, limits, "x")]) for data in images]
-        collated_ms, _ = timed(lambda: adapter.forward(adapter.collate(per_item)))
+        per_item = [adapter.processor.preprocess("image", [decode_bytes("image", data, limits, "x")]) for data in images]
+        collated_ms, _ = timed(lambda: adapter.forward(adapter.processor.collate(per_item)))
         items_ms, _ = timed(lambda: adapter.forward_items(per_item))
         stages[f"batch of {len(images)}"] = {"collate_and_forward_ms": collated_ms, "forward_items_ms": items_ms}
     return {"mode": "stages", **stages}

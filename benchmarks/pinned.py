@@ -50,7 +50,7 @@ def ceiling(adapter, payloads: list[str], batch_size: int, seconds: float, core:
 
     def one_batch(batch: list[str]) -> None:
         items = [Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB") for payload in batch]
-        adapter.forward(adapter.preprocess("image", items))
+        adapter.forward(adapter.processor.preprocess("image", items))
 
     try:
         one_batch(payloads[:batch_size])

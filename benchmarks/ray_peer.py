@@ -39,7 +39,7 @@ def build_app(model: str, max_batch_size: int, max_wait_s: float):
             items = [item for request in requests for item in request]
 
             def run():
-                prepared = self.adapter.preprocess("image", items)
+                prepared = self.adapter.processor.preprocess("image", items)
                 return prepared, self.adapter.forward(prepared)
 
             prepared, rows = await asyncio.to_thread(run)

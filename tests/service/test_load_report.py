@@ -74,16 +74,19 @@ async def test_a_small_max_image_pixels_shrinks_the_probe_and_the_server_stays_h
 
 
 def test_a_model_that_cannot_take_a_probe_within_the_limit_is_refused_naming_the_setting(adapter):
-    class Picky:
-        """The tiny model, refusing images under 8x8 as some families' processors do."""
+    class PickyProcessor:
+        """The tiny model's processor, refusing images under 8x8 as some families' processors do."""
 
         def sample_encoded(self):
-            return adapter.sample_encoded()
+            return adapter.processor.sample_encoded()
 
         def item_layout(self, modality, item):
             if min(item.size) < 8:
                 raise ItemError(f"image of {item.size[0]}x{item.size[1]} is below the model's minimum of 8x8")
-            return adapter.item_layout(modality, item)
+            return adapter.processor.item_layout(modality, item)
+
+    class Picky:
+        processor = PickyProcessor()
 
     limits = MediaLimits.from_settings(dataclasses.replace(HOLDING, max_image_pixels=30), adapter)
     with pytest.raises(ValueError, match=r"--max-image-pixels .*below the model's minimum.*raise --max-image-pixels"):
