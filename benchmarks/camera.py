@@ -181,7 +181,8 @@ def run_stages(adapter, images: list[bytes], repeats: int = 8) -> dict:
             stages["x".join(map(str, decoded.size))] = {"decode_ms": decode_ms, "processor_ms": processor_ms,
                                                           "forward_ms": forward_ms}
         # A batch of every image, prepared one by one (as the pool returns them): concatenated first, or not.
-        per_item = [adapter.processor.preprocess("image", [decode_bytes("image", data, limits, "x")]) for data in images]
+        per_item = [adapter.processor.preprocess("image", [decode_bytes("image", data, limits, "x")])
+                    for data in images]
         collated_ms, _ = timed(lambda: adapter.forward(adapter.processor.collate(per_item)))
         items_ms, _ = timed(lambda: adapter.forward_items(per_item))
         stages[f"batch of {len(images)}"] = {"collate_and_forward_ms": collated_ms, "forward_items_ms": items_ms}
