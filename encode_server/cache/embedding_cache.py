@@ -50,6 +50,7 @@ import torch
 from blake3 import blake3
 
 from encode_server.scheduling.demand import Demand, SharedDemand
+from processors.base import Processor
 
 #: Bytes an entry costs besides its rows: the key, the layout, the tensor object and the LRU's node.
 #: tracemalloc sees about 410 bytes of Python objects per entry; torch's C++ tensor header comes on top.
@@ -370,8 +371,8 @@ def _framed(digest: Any, data: bytes | bytearray | memoryview) -> None:
 def adapter_fingerprint(adapter: Any) -> str:
     """A hex digest of everything about an `EncoderAdapter` that changes its output.
 
-    It covers the class, `info`, dtype and device type, every plain setting of the adapter (numbers,
-    strings, dataclasses such as video settings), each processor's `to_dict()`, and, for every
+    It covers the class, `info`, dtype and device type, every plain setting of the adapter and of its processor
+    (numbers, strings, dataclasses such as video settings), each `transformers` processor's `to_dict()`, and, for every
     module, its parameter and buffer names, shapes, dtypes and an even sample of their values. It
     recurses into wrapped adapters (tensor parallelism's). Objects it cannot describe (thread pools,
     worker groups) count by type only.
@@ -428,6 +429,8 @@ def _describe(value: Any, seen_modules: dict[int, str], depth: int) -> Any:
         return {"processor": type(value).__qualname__, "settings": _describe(to_dict(), seen_modules, depth + 1)}
     if _is_adapter(value):
         return {"adapter": type(value).__qualname__, "attributes": _describe_object(value, seen_modules, depth)}
+    if isinstance(value, Processor):  # an adapter's processor: its settings and the `transformers` ones it holds
+        return {"processor": type(value).__qualname__, "attributes": _describe_object(value, seen_modules, depth)}
     return f"<{type(value).__qualname__}>"
 
 
