@@ -17,7 +17,9 @@ import httpx
 import pytest
 import torch
 
+from encode_server.fronts.vllm.transfer_config import connector_config
 from encode_server.ops.settings import load_settings
+from encode_server.runtime import StartError, fronts_for
 from tests.support.helpers import InProcessServer, free_port, png_bytes
 from tests.support.optional import import_or_skip
 from tests.support.paths import GOLDEN as GOLDEN_ROOT
@@ -202,12 +204,10 @@ def test_configurations_the_server_cannot_honour_are_refused_in_one_line():
         ({"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}, "shared_storage_path"),
     ]:
         text = config if isinstance(config, str) else json.dumps(config)
-        with pytest.raises(SystemExit):
-            load_settings(["--ec-transfer-config", text])
+        with pytest.raises(StartError):  # before the model loads
+            fronts_for(load_settings(["--ec-transfer-config", text]))
         try:
-            from encode_server.ops.settings import Settings
-
-            Settings(ec_transfer_config=text)
+            connector_config(load_settings(["--ec-transfer-config", text]))
         except ValueError as exc:
             assert needle in str(exc) and "\n" not in str(exc), (needle, exc)
         else:
@@ -216,9 +216,9 @@ def test_configurations_the_server_cannot_honour_are_refused_in_one_line():
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps({
         "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
         "ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}})})
-    assert settings.ec_storage_folder == "/tmp/ec" and settings.ec_storage is None and settings.vllm_push is None
+    assert connector_config(settings).storage_path == "/tmp/ec"
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps(base)})
-    assert settings.vllm_push.protocol == "rdma" and settings.vllm_push.buffer_size == 10**9
+    assert connector_config(settings).protocol == "rdma" and connector_config(settings).buffer_size == 10**9
 
 
 @pytest.mark.quick
@@ -226,11 +226,11 @@ def test_a_server_without_mooncake_names_the_install(monkeypatch):
     from encode_server.ops import libraries
 
     monkeypatch.setattr(libraries, "installed", lambda library: False)
-    from encode_server.ops import transfer_config
+    from encode_server.fronts.vllm import transfer_config
 
     monkeypatch.setattr(transfer_config, "installed", lambda library: False)
     with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1") as refused:
         transfer_config.parse_ec_transfer_config({"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer"})
     assert "encode-server[" not in str(refused.value)  # no index has a package of that name
     # Without a transfer config nothing asks for the library.
-    assert load_settings([]).ec_transfer is None
+    assert connector_config(load_settings([])) is None

@@ -215,7 +215,7 @@ def metadata_against_vllm() -> None:
     from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser
     from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalDataParser
 
-    from encode_server.fronts.vllm.mooncake_connector import PLACEHOLDER_FIELDS
+    from encode_server.fronts.vllm.connectors.base import PLACEHOLDER_FIELDS
 
     parsers = {"qwen2_vl": Qwen2VLMultiModalDataParser, "qwen2_5_vl": Qwen2VLMultiModalDataParser,
                "qwen3_vl": Qwen3VLMultiModalDataParser, "qwen2_5_omni": Qwen2_5OmniThinkerMultiModalDataParser,
