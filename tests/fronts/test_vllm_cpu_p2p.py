@@ -123,13 +123,16 @@ def announced(response: httpx.Response) -> list[tuple[str, dict]]:
     return [(item["identifier"], params[item["identifier"]]) for item in answer["encoder_cache"]]
 
 
-def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held():
+def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held_and_store_hits_are_read():
+    """With the shared tier too (`--cache-store`): a Store hit is read from the pool, what is encoded published under
+    vLLM's key."""
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
     from encode_server.fronts.vllm.video import decode_vllm_video
+    from tests.support.mooncake_store import check_vllm_connector_with_the_store, pool, store_args
     from tests.support.vllm_requests import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)
-    with Producer() as producer, producer.consumer() as consumer:
+    with pool() as (master, holder), Producer(*store_args(master)) as producer, producer.consumer() as consumer:
         hidden = httpx.get(f"{producer.url}/server_info").json()["model"]["hidden_size"]
         assert producer.block_size == hidden * 4  # one float32 row of the language model
         parts = [image_part(data_url(first)), {"type": "video_url", "video_url": {"url": media_url(clip, "video/mp4")}},
@@ -161,6 +164,10 @@ def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held()
         assert producer.metric("encoder_transport_held_bytes") == 0
         info = httpx.get(f"{producer.url}/server_info").json()["transport"]["vllm"]
         assert info["connector"] == CONNECTOR and info["registered_bytes"] == 64 << 20
+        check_vllm_connector_with_the_store(producer.server, holder, producer.encode,
+                                            lambda identifier, entry: consumer.read(entry, identifier, torch.float32),
+                                            CONSUMER_MODEL)
+        assert producer.settled()
 
 
 def test_audio_is_read_bit_identical():

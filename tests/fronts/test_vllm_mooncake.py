@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import pytest
@@ -56,13 +57,16 @@ def assert_nothing_held(srv) -> None:
     assert srv.metric("encoder_transport_open_reservations", transport="ECMooncakeConnector") == 0
 
 
-def test_images_and_video_land_bit_identical_on_every_consumer_rank():
+def test_images_and_video_land_bit_identical_on_every_consumer_rank_and_store_hits_are_pushed():
+    """With the shared tier too (`--cache-store`): a Store hit is pushed, what is encoded published under vLLM's key."""
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
     from encode_server.fronts.vllm.video import decode_vllm_video
+    from tests.support.mooncake_store import check_vllm_connector_with_the_store, pool, store_args
     from tests.support.vllm_requests import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)
-    with server() as srv, ConsumerStandIn(free_port(), ranks=2) as consumer:
+    with pool() as (master, holder), server(*store_args(master)) as srv, \
+            ConsumerStandIn(free_port(), ranks=2) as consumer:
         parts = [image_part(data_url(first)), {"type": "video_url", "video_url": {"url": media_url(clip, "video/mp4")}},
                  image_part(data_url(second)), image_part(data_url(first))]  # the first image twice
         response = push(srv, consumer.address, parts, ["t0", "t1", "t2", "t3"])
@@ -92,6 +96,18 @@ def test_images_and_video_land_bit_identical_on_every_consumer_rank():
         assert_nothing_held(srv)
         info = httpx.get(f"{srv.url}/server_info").json()["transport"]["vllm"]
         assert info["connector"] == "ECMooncakeConnector" and info["protocol"] == "tcp"
+
+        def send(parts):
+            body = {**proxy_body(*parts), "ec_transfer_params": {"consumer_zmq": consumer.address}}
+            return httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"x-request-id": uuid.uuid4().hex},
+                              timeout=60)
+
+        def received(identifier, entry):
+            landed = consumer.received(entry["transfer_id"])
+            assert len(landed) == 2 and torch.equal(landed[0], landed[1])
+            return landed[0]
+
+        check_vllm_connector_with_the_store(srv, holder, send, received, CONSUMER_MODEL)
 
 
 def test_audio_lands_bit_identical():

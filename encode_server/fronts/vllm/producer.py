@@ -69,7 +69,7 @@ class _Decoded:
 
 
 def check_vllm_layout(adapter) -> None:
-    """Refuse a checkpoint whose rows vLLM would lay out otherwise than transformers (and so we) do.
+    """Refuse a checkpoint whose rows vLLM 0.33 would lay out otherwise than transformers (and so we) do.
 
     LLaVA-OneVision: vLLM counts placeholders and packs the tile map with `anyres_max_9` whatever the
     checkpoint's `vision_aspect_ratio` says (`LlavaOnevisionProcessingInfo._get_num_unpadded_features`,
@@ -79,21 +79,22 @@ def check_vllm_layout(adapter) -> None:
         ratio = getattr(getattr(getattr(adapter, "model", None), "config", None), "vision_aspect_ratio",
                         "anyres_max_9")
         if ratio != "anyres_max_9":
-            raise ValueError(f"--ec-storage: this LLaVA-OneVision checkpoint says vision_aspect_ratio {ratio!r}, but "
-                             f"vLLM lays out and counts its rows with 'anyres_max_9' whatever the checkpoint "
-                             f"says, so a vLLM consumer would refuse our rows; serve it without --ec-storage")
+            raise ValueError(f"the vLLM producer: this LLaVA-OneVision checkpoint says vision_aspect_ratio "
+                             f"{ratio!r}, but vLLM 0.33 lays out and counts its rows with 'anyres_max_9' whatever the "
+                             f"checkpoint says, so a vLLM consumer would refuse our rows; serve it without a vLLM "
+                             f"connector")
 
 
-#: (family, modality) pairs whose items vLLM splits, samples or lays out otherwise than this server, so that
+#: (family, modality) pairs whose items vLLM 0.33 splits, samples or lays out otherwise than this server, so that
 #: a consumer could not load what we would store (found with `tools/compat/vllm_compat.py`): refused with a 400.
 LAYOUT_REFUSALS: dict[tuple[str, str], str] = {
-    ("kimi_k25", "video"): "vLLM splits a Kimi-K2.5 video into 4-frame vision chunks, each an item with its own "
+    ("kimi_k25", "video"): "vLLM 0.33 splits a Kimi-K2.5 video into 4-frame vision chunks, each an item with its own "
                            "identifier and rows, where this server stores one file per video; run vLLM's own encoder "
                            "for video_url items of this model",
-    ("muse_spark", "video"): "vLLM samples and lays out Muse Spark videos with its own loader and processor, and "
+    ("muse_spark", "video"): "vLLM 0.33 samples and lays out Muse Spark videos with its own loader and processor, and "
                              "its placeholder count differs from the rows of this server's video path (12 against 36 "
                              "on a 12-frame clip); run vLLM's own encoder for video_url items of this model",
-    ("dots3_note", "video"): "vLLM expands a Dots3-Note video into timestamped image and audio parts of its own, "
+    ("dots3_note", "video"): "vLLM 0.33 expands a Dots3-Note video into timestamped image and audio parts of its own, "
                              "not one video item; run vLLM's own encoder for video_url items of this model",
 }
 
