@@ -130,9 +130,9 @@ def _record_keys(monkeypatch):
     original = StoreConnection.publish
     _published_keys.clear()
 
-    def recording(self, objects):
+    def recording(self, objects, size=None):
         _published_keys.extend(key for key, _ in objects)
-        return original(self, objects)
+        return original(self, objects, size)
 
     monkeypatch.setattr(StoreConnection, "publish", recording)
 

@@ -149,6 +149,11 @@ class VllmProducer:
     def close(self) -> None:
         self.resampler.close()
 
+    @staticmethod
+    def _key(identifier: str) -> tuple[str, str]:
+        """An item's key in the embedding cache: vLLM's identifier, apart from the native items' keys."""
+        return ("vllm", identifier)
+
     def _check_modality(self, part: ChatMediaPart, req_id: str) -> None:
         info = self.service.adapter.info
         if not self.service.adapter.supports(part.modality):
@@ -190,7 +195,8 @@ class VllmProducer:
         """One modality's misses as one job; each published to the shared tier."""
         modality = items[0].modality
         try:
-            done = await self.service.encode_identified(job_id, modality, [("vllm", item.identifier) for item in items],
+            done = await self.service.encode_identified(job_id, modality,
+                                                        [self._key(item.identifier) for item in items],
                                                         [item.loaded for item in items], priority)
         except EncodeError as error:  # name the chat part, not the internal job's item
             if len(items) == 1:
@@ -226,7 +232,8 @@ class VllmProducer:
             else:
                 raise MediaError(part.location, "the URL must be an http(s) or data: URL")
             prepared = await loop.run_in_executor(pool, self._identify, part, data)
-            if isinstance(prepared, _Decoded) and part.uuid is None:
+            if isinstance(prepared, _Decoded) and part.uuid is None and self._key(prepared.identifier) not in \
+                    self.service.cache:  # the local tier first: what it holds is taken from it when encoded
                 shared = await self._from_store(prepared.identifier, part.modality, prepared.loaded)
                 if shared is not None:
                     return shared

@@ -1,13 +1,14 @@
 """vLLM's `ECCPUConnector` in its P2P mode, producer role: items kept in NIXL-registered memory that consumers read.
 
-The protocol of vLLM 0.33 (`ec_connector/cpu/`: `protocol.py`, `session.py`'s `ProducerSession`, the
-scheduler's `request_finished`), as an EPD proxy drives an encoder instance and the consumer then reads:
+The protocol of vLLM 0.32 and 0.33 (the same in both: `ec_connector/cpu/`: `protocol.py`, `session.py`'s
+`ProducerSession`, the scheduler's `request_finished`), as an EPD proxy drives an encoder instance and the consumer
+then reads:
 
-1. The proxy sends the encoder request; each item is identified and encoded as `--ec-storage` does
-   (`producer.VllmProducer.rows`) and its rows are copied into blocks of the registered pool
+1. The proxy sends the encoder request; each item is identified and encoded (or found in the shared tier)
+   by `producer.VllmProducer.rows` and its rows are copied into blocks of the registered pool
    (`transport.nixl.NixlBlockPool`), in blocks of the consumer's block size (the language model's hidden
    size times the element size: one row per block where the rows are that wide).
-2. The answer's `ec_transfer_params` names each item as vLLM's producer does: `{identifier: {"modality",
+2. The answer's `ec_transfer_params` names each item as vLLM's producer does: `{identifier: {"modality" (0.33),
    "metadata", "item_indices", "peer_host", "peer_port", "size_bytes", "shape"}}`, `size_bytes` being the
    whole blocks and `shape` the rows' `[rows, width]`.
 3. The consumer's scheduler sends an `XferReq` (msgpack, `{"type": "req", "mm_hash", "compatibility_hash",

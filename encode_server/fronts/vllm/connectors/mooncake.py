@@ -1,11 +1,11 @@
 """vLLM's `ECMooncakeConnector`, producer role: each item's rows pushed into the consumer's reserved buffer.
 
-The protocol of vLLM 0.33 (`ec_connector/mooncake/`, its scheduler, worker and control plane) as its EPD
-proxy drives an encoder instance:
+The protocol of vLLM 0.32 and 0.33 (the same in both: `ec_connector/mooncake/`, its scheduler, worker and control
+plane) as its EPD proxy drives an encoder instance:
 
 1. The proxy sends each encoder request with `ec_transfer_params = {"consumer_zmq": "tcp://host:port",
    "ec_items": [{"transfer_id": ...}, ...]}`, one entry per media item, by position.
-2. The items are identified and encoded as `--ec-storage` does (`producer.VllmProducer.rows`).
+2. The items are identified and encoded (or found in the shared tier) by `producer.VllmProducer.rows`.
 3. The consumer's control socket (`mooncake_control`) is asked for its ranks (`peers`); every rank gets one
    `reserve_batch` with each item's `transfer_id`, `mm_hash` (the identifier), `nbytes`, `shape` and
    `dtype`, and answers each with a reservation: `reservation_id`, `dst_session`, `dst_ptr`, `nbytes`,
