@@ -220,14 +220,16 @@ def test_configurations_the_server_cannot_honour_are_refused_in_one_line():
         ({"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}, "shared_storage_path"),
     ]:
         text = config if isinstance(config, str) else json.dumps(config)
-        with pytest.raises(StartError):  # before the model loads
-            fronts_for(load_settings(["--ec-transfer-config", text]))
-        try:
-            connector_config(load_settings(["--ec-transfer-config", text]))
-        except ValueError as exc:
-            assert needle in str(exc) and "\n" not in str(exc), (needle, exc)
-        else:
-            raise AssertionError(f"{text} was accepted")
+        if not isinstance(config, dict):  # not even a JSON object: refused with the other bad values
+            with pytest.raises(SystemExit):
+                load_settings(["--ec-transfer-config", text])
+            continue
+        settings = load_settings(["--ec-transfer-config", text])
+        with pytest.raises(StartError):  # by the vLLM front, before the model loads
+            fronts_for(settings)
+        with pytest.raises(ValueError) as refused:
+            connector_config(settings)
+        assert needle in str(refused.value) and "\n" not in str(refused.value), (needle, refused.value)
     # The same JSON from the environment; ECExampleConnector's folder is --ec-storage's.
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps({
         "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
