@@ -7,11 +7,13 @@ blocks a write; a version this producer does not speak is refused at start-up.""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from encode_server.fronts.vllm.connectors.base import ItemRows, transfer_params
 from encode_server.fronts.vllm.connectors.example import FILE_NAME, SharedStorage
@@ -39,6 +41,9 @@ def test_each_version_decodes_and_identifies_as_that_vllm_does(version):
         io_config = decoded.io_config and {key: list(value) if isinstance(value, tuple) else value
                                            for key, value in decoded.io_config.items()}
         assert io_config == expected["io_config"]
+        # The encoder is given the pixels alone (a processor that reads a tRNS entry would composite them).
+        assert "transparency" not in decoded.image.info and "transparency" not in Image.open(
+            io.BytesIO(decoded.file_bytes(data))).info
         for algorithm, by_model in expected["identifiers"].items():
             for model_id, identifier in by_model.items():
                 assert image_identifier(algorithm, model_id, EncodedImage(data, decoded.io_config)) == identifier

@@ -323,8 +323,12 @@ class Consumer:
 
 
 def png_b64(image) -> str:
+    """The pixels vLLM decoded as a PNG without a tRNS chunk: its consumers' processors read RGB pixels as they are
+    (vLLM 0.32 keeps an RGB image with a tRNS chunk, which a newer `convert_to_rgb` would composite)."""
+    image = image.convert("RGB")
+    image.info.pop("transparency", None)
     buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, "PNG")
+    image.save(buffer, "PNG")
     return base64.b64encode(buffer.getvalue()).decode()
 
 

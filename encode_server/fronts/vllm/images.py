@@ -131,4 +131,12 @@ def decode_vllm_image(data: bytes, max_pixels: int, location: str, composite_rgb
     io_config = {"image_mode": IMAGE_MODE, "rgba_background_color": BACKGROUND} if changed else None
     # The native decode (exif_transpose, then convert("RGB")) agrees unless vLLM composited transparency
     # or kept an image whose EXIF it could not apply.
-    return VllmImage(converted, io_config, native_equivalent=upright and not (changed and has_transparency(image)))
+    native = upright and not (changed and has_transparency(image))
+    if "transparency" in converted.info:  # vLLM 0.32 kept an RGB image with a tRNS chunk as it is
+        # ...and its consumers' processors (transformers below 5.20, its pin) read those pixels as they are, where a
+        # newer `convert_to_rgb` composites an image whose info names a transparent colour: the encoder gets the
+        # pixels alone, and any other process a PNG of them without the chunk.
+        converted = converted.copy()
+        del converted.info["transparency"]
+        native = False
+    return VllmImage(converted, io_config, native_equivalent=native)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from encode_server.cache.store_tier import StoreTier, row_widths, vllm_namespace
 from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 from encode_server.fronts.vllm.chat import ChatMediaPart
-from encode_server.fronts.vllm.connectors.base import Connector, ItemRows
+from encode_server.fronts.vllm.connectors.base import PLACEHOLDER_FIELDS, Connector, ItemRows
 from encode_server.fronts.vllm.connectors.example import check_identifier
 from encode_server.fronts.vllm.identifiers import (
     EncodedImage,
@@ -50,6 +50,7 @@ from encode_server.fronts.vllm.video import (
 )
 from encode_server.media.decoding import MediaError
 from encode_server.media.loader import LoadedItem, each_in_order
+from encode_server.models.base import ItemLayout
 from encode_server.models.inputs.video_clip import VideoClip
 from encode_server.models.registry import family_named
 from encode_server.records import EncodeError
@@ -102,6 +103,11 @@ LAYOUT_REFUSALS: dict[tuple[str, str], str] = {
 def vllm_layout_refusal(family: str, modality: str) -> str | None:
     """Why items of `modality` are refused for `family` in this mode (None: they are stored)."""
     return LAYOUT_REFUSALS.get((family, modality))
+
+
+def _with_layout(hit: ItemRows, layout: ItemLayout) -> ItemRows:
+    """A hit with the layout of the item decoded here, where the rows it holds are as many (else without)."""
+    return replace(hit, layout=layout) if layout.tokens == hit.rows_count else hit
 
 
 def _media_type(url: str) -> str:
@@ -208,19 +214,22 @@ class VllmProducer:
         return [ItemRows(item.identifier, modality, rows.rows, rows.layout) for item, rows in zip(items, done)]
 
     async def _prepare(self, part: ChatMediaPart, req_id: str) -> ItemRows | _Decoded:
-        """Fetch, decode and identify one item; a hit where the connector or the shared tier holds it."""
+        """Fetch, decode and identify one item; a hit where the connector or the shared tier holds it. A hit is
+        still decoded where its URL is given and the consumer's model sizes the item by placeholder metadata: the
+        answer then carries that metadata, so the proxy can send the consumer the item by its identifier (without
+        it, vLLM's proxy sends the media itself, and a consumer that hashes it may miss)."""
         pool = self.service.media_pool
         loop = asyncio.get_running_loop()
         try:
+            hit = None
             if part.uuid is not None:
                 check_identifier(part.uuid)
                 held = await loop.run_in_executor(pool, self.connector.held, part.uuid)
-                if held is not None:
-                    return ItemRows(part.uuid, part.modality, None, None, "held", held)
-                shared = await self._from_store(part.uuid, part.modality)
-                if shared is not None:
-                    return shared
-                if part.url is None:
+                hit = ItemRows(part.uuid, part.modality, None, None, "held", held) if held is not None else \
+                    await self._from_store(part.uuid, part.modality)
+                if hit is not None and (part.url is None or not self._sized_by_metadata(part.modality)):
+                    return hit
+                if hit is None and part.url is None:
                     raise MediaError(part.location, f"no item is held by the {self.connector.name} or the shared "
                                                     f"tier under uuid {part.uuid!r} and the part has no URL to "
                                                     f"encode it from")
@@ -232,29 +241,36 @@ class VllmProducer:
             else:
                 raise MediaError(part.location, "the URL must be an http(s) or data: URL")
             prepared = await loop.run_in_executor(pool, self._identify, part, data)
-            if isinstance(prepared, _Decoded) and part.uuid is None and self._key(prepared.identifier) not in \
-                    self.service.cache:  # the local tier first: what it holds is taken from it when encoded
-                shared = await self._from_store(prepared.identifier, part.modality, prepared.loaded)
-                if shared is not None:
-                    return shared
+            if hit is not None:
+                return _with_layout(hit, prepared.loaded.layout)
+            if part.uuid is None:
+                held = await loop.run_in_executor(pool, self.connector.held, prepared.identifier)
+                if held is not None:
+                    return _with_layout(ItemRows(prepared.identifier, part.modality, None, None, "held", held),
+                                        prepared.loaded.layout)
+                if self._key(prepared.identifier) not in self.service.cache:  # the local tier before the shared one
+                    shared = await self._from_store(prepared.identifier, part.modality)
+                    if shared is not None:
+                        return _with_layout(shared, prepared.loaded.layout)
             return prepared
         except MediaError as exc:
             raise EncodeError(400, str(exc), req_id) from None
         except ValueError as exc:  # an identifier that cannot name a folder
             raise EncodeError(400, f"{part.location}.uuid: {exc}", req_id) from None
 
-    async def _from_store(self, identifier: str, modality: str, loaded: LoadedItem | None = None) -> ItemRows | None:
-        """An item the shared tier holds under vLLM's key (its layout when it was decoded here); None: not there."""
+    def _sized_by_metadata(self, modality: str) -> bool:
+        """Whether the consumer's model sizes `modality`'s items by placeholder metadata the answer can carry."""
+        return (self.service.adapter.info.family, modality) in PLACEHOLDER_FIELDS
+
+    async def _from_store(self, identifier: str, modality: str) -> ItemRows | None:
+        """An item the shared tier holds under vLLM's key; None: not there."""
         if self.shared is None:
             return None
         rows = await self.shared.lookup_rows(modality, identifier)
-        if rows is None:
-            return None
-        layout = loaded.layout if loaded is not None and loaded.layout.tokens == rows.shape[0] else None
-        return ItemRows(identifier, modality, rows, layout, "store")
+        return None if rows is None else ItemRows(identifier, modality, rows, None, "store")
 
-    def _identify(self, part: ChatMediaPart, data: bytes | None) -> ItemRows | _Decoded:
-        """In a media thread: decode as vLLM does, hash, look up what the connector holds, and describe."""
+    def _identify(self, part: ChatMediaPart, data: bytes | None) -> _Decoded:
+        """In a media thread: decode as vLLM does, hash, and describe."""
         settings = self.service.settings
         limits = self.service.media.limits
         url = part.url or ""
@@ -288,10 +304,6 @@ class VllmProducer:
             decode = lambda: image.image  # noqa: E731
             raw = (lambda: image.file_bytes(data)) if with_bytes else bytes  # noqa: E731
         check_identifier(identifier)
-        if part.uuid is None:
-            held = self.connector.held(identifier)
-            if held is not None:
-                return ItemRows(identifier, part.modality, None, None, "held", held)
         decoded = decode()
         try:
             layout = self.service.adapter.item_layout(part.modality, decoded)
