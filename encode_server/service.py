@@ -153,8 +153,12 @@ class PartEncoder:
         what it holds is taken and what other requests are encoding joined, under `keys`; the rest encoded as one
         job. The part (for the request's records) and each item's rows and layout, in order."""
         CURRENT_PRIORITY.set(priority)
+        trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
+        started = time.perf_counter()
         if self.cached is None:
             part = await self.jobs.submit(meta, items, 0.0, deadline, priority)
+            if trace is not None:
+                trace.encoded(part, started, meta.req_id)
             pieces = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
             return part, [CachedItem(piece, layout) for piece, layout in zip(pieces, part.layouts)]
         own: list[EncodedPart] = []
@@ -170,9 +174,12 @@ class PartEncoder:
         except EncodeError as exc:  # maybe another request's computation: this request's id
             raise EncodeError(exc.status, exc.message, meta.req_id, exc.headers) from None
         part = own[0] if own else EncodedPart(torch.empty(0), (), 0)
-        return (EncodedPart(part.embedding, tuple(result.item.layout for result in resolved), part.batch_size,
-                            part.timings, tuple(result.cached for result in resolved)),
-                [result.item for result in resolved])
+        part = EncodedPart(part.embedding, tuple(result.item.layout for result in resolved), part.batch_size,
+                           part.timings, tuple(result.cached for result in resolved),
+                           tuple("local" if result.cached else None for result in resolved), part.batch)
+        if trace is not None:
+            trace.encoded(part, started, meta.req_id)
+        return part, [result.item for result in resolved]
 
     async def probe(self, timeout_s: float) -> None:
         """A tiny built-in input through decode, scheduler, processor, forward and slicing (the health probe)."""

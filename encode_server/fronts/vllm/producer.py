@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from encode_server.cache.store_tier import StoreTier, row_widths, vllm_namespace
@@ -53,6 +54,7 @@ from encode_server.media.loader import LoadedItem, each_in_order
 from encode_server.models.base import ItemLayout
 from encode_server.models.inputs.video_clip import VideoClip
 from encode_server.models.registry import family_named
+from encode_server.ops.tracing import CURRENT as CURRENT_TRACE
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
 
@@ -180,7 +182,11 @@ class VllmProducer:
         `EncodeError` on failure."""
         for part in parts:
             self._check_modality(part, req_id)
+        started = time.perf_counter()
         prepared = await each_in_order([self._prepare(part, req_id) for part in parts])
+        trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
+        if trace is not None:  # fetched, decoded and identified, each item once
+            trace.stage("decode", started, time.perf_counter(), {"encoder.req_id": req_id, "encoder.items": len(parts)})
         misses: dict[str, _Decoded] = {}
         for item in prepared:
             if isinstance(item, _Decoded):
