@@ -23,7 +23,7 @@ an item's blocks, in blocks of `--block-bytes`, with its notification) from one 
                 while it is measured: a registered buffer already holding the item, read per item
     bare+copy   the same, the item's bytes copied into the registered buffer before each read (what any
                 producer of rows just computed must do, unless it computes into registered memory)
-    ours read   `fronts.vllm.cpu_connector.CPUConnectorProducer`, as the consumer waits for it: the consumer's
+    ours read   `fronts.vllm.connectors.cpu.ECCPUConnector`, as the consumer waits for it: the consumer's
                 XferReq and our XferAck over the side channel, the READ, and the notification our side channel
                 drains (the pin released). The item is in the pool already, as when served: its rows go in
                 before the encoder answers, so before any consumer can ask for it
@@ -162,8 +162,9 @@ def bench_nixl(args, sizes: list[int]) -> int:
 
     import torch
 
-    from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer
-    from encode_server.ops.transfer_config import ECTransferConfig
+    from encode_server.fronts.vllm.connectors.cpu import ECCPUConnector
+    from encode_server.fronts.vllm.transfer_config import ECTransferConfig
+    from encode_server.fronts.vllm.versions import VllmVersion
     from encode_server.transport.nixl import quiet_ucx_exit
     from tests.support.helpers import free_port
 
@@ -173,7 +174,7 @@ def bench_nixl(args, sizes: list[int]) -> int:
     config = ECTransferConfig("ECCPUConnector", "ec_producer", cpu_bytes=3 * most * block, hold_s=0.001,
                               progress_thread=args.progress_thread)
     port = free_port()
-    ours = CPUConnectorProducer(config, "bench", block // 4, torch.float32, "bench", "0.33.0", "127.0.0.1", port)
+    ours = ECCPUConnector(config, "bench", block // 4, torch.float32, "bench", VllmVersion("0.33.0"), "127.0.0.1", port)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(target=nixl_reader, args=(child, block, most + 1, ours.compat_hash))

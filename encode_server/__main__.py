@@ -69,11 +69,12 @@ def serve(argv: Sequence[str] | None = None) -> None:
 
     from encode_server.http.app import create_app
     from encode_server.http.draining import DrainingServer
-    from encode_server.runtime import StartError, check_libraries, load_encoder
+    from encode_server.runtime import StartError, check_libraries, fronts_for, load_encoder
 
     route_library_logs()  # transformers and the Hub client are imported now: their lines get our format too
     try:  # before the model loads, as a bad value is refused: one line, status 2
         check_libraries(settings)
+        fronts_for(settings)  # each front reads its own settings (vLLM's transfer config, its version)
     except StartError as exc:
         sys.stderr.write(f"encode-server: error: {exc}\n")
         sys.exit(2)

@@ -117,8 +117,12 @@ def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None
 def fronts_for(settings: Settings, tracing: Tracing | None = None) -> list[Front]:
     """Every protocol front, in the order their routes are mounted and they start (closed in reverse); SGLang's
     gRPC encoder service with `--grpc-port` (grpcio is imported only then: it is an optional extra), which
-    continues its calls' traces with `tracing`."""
-    fronts: list[Front] = [NativeFront(settings.max_request_bytes), SglangFront(settings), VllmFront(settings)]
+    continues its calls' traces with `tracing`. A front reads its own settings here: `StartError` names one it
+    cannot honour."""
+    try:
+        fronts: list[Front] = [NativeFront(settings.max_request_bytes), SglangFront(settings), VllmFront(settings)]
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
     if settings.grpc_port is not None:
         from encode_server.fronts.sglang.grpc_front import SglangGrpcFront
 

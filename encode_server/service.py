@@ -16,7 +16,7 @@ import base64
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -27,7 +27,7 @@ import encode_server
 from encode_server.admission.gate import Admission
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, describe_validation_error, request_id_of
 from encode_server.cache.cached_encoding import CachedEncoding
-from encode_server.cache.embedding_cache import EmbeddingCache
+from encode_server.cache.embedding_cache import CachedItem, EmbeddingCache
 from encode_server.cache.store_client import StoreConnection
 from encode_server.cache.store_tier import row_widths
 from encode_server.delivery.destinations import Delivery
@@ -147,6 +147,40 @@ class PartEncoder:
             trace.encoded(part, decoded, meta.req_id)
         return part
 
+    async def encode_identified(self, meta: PartMeta, keys: Sequence[Hashable], items: Sequence[LoadedItem],
+                                deadline: float, priority: int = 0) -> tuple[EncodedPart, list[CachedItem]]:
+        """Items decoded and identified by a front (`keys`: its identities of them): with the embedding cache on,
+        what it holds is taken and what other requests are encoding joined, under `keys`; the rest encoded as one
+        job. The part (for the request's records) and each item's rows and layout, in order."""
+        CURRENT_PRIORITY.set(priority)
+        trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
+        started = time.perf_counter()
+        if self.cached is None:
+            part = await self.jobs.submit(meta, items, 0.0, deadline, priority)
+            if trace is not None:
+                trace.encoded(part, started, meta.req_id)
+            pieces = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
+            return part, [CachedItem(piece, layout) for piece, layout in zip(pieces, part.layouts)]
+        own: list[EncodedPart] = []
+
+        async def compute(positions: list[int], waiting: SharedDemand) -> list[CachedItem]:
+            part = await self.jobs.submit_shared(meta, [items[position] for position in positions], 0.0, waiting)
+            own.append(part)
+            pieces = torch.split(part.embedding, [layout.tokens for layout in part.layouts])
+            return [CachedItem.compact(piece, layout) for piece, layout in zip(pieces, part.layouts)]
+
+        try:
+            resolved = await self.cached.cache.resolve(list(keys), compute, Demand(deadline, priority))
+        except EncodeError as exc:  # maybe another request's computation: this request's id
+            raise EncodeError(exc.status, exc.message, meta.req_id, exc.headers) from None
+        part = own[0] if own else EncodedPart(torch.empty(0), (), 0)
+        part = EncodedPart(part.embedding, tuple(result.item.layout for result in resolved), part.batch_size,
+                           part.timings, tuple(result.cached for result in resolved),
+                           tuple("local" if result.cached else None for result in resolved), part.batch)
+        if trace is not None:
+            trace.encoded(part, started, meta.req_id)
+        return part, [result.item for result in resolved]
+
     async def probe(self, timeout_s: float) -> None:
         """A tiny built-in input through decode, scheduler, processor, forward and slicing (the health probe)."""
         modality, data = self.probe_input or self.adapter.processor.sample_encoded()
@@ -224,6 +258,12 @@ class EncoderService:
         return self.parts.media_pool
 
     @property
+    def decodes_elsewhere(self) -> bool:
+        """Whether items are decoded again outside this process (the preprocessing pool's workers, the other
+        ranks), which then need each item's file bytes (`LoadedItem.raw`)."""
+        return self.preprocess_pool is not None or self.group is not None
+
+    @property
     def pending(self) -> int:
         return self.admission.pending
 
@@ -274,18 +314,17 @@ class EncoderService:
                                     lambda error: self.handover.failed(to, error),
                                     " (the request's timeout_s, at most --req-timeout-s)", front)
 
-    async def encode_rows(self, req_id: str, modality: str, items: list[bytes], priority: int = 0) -> EncodedPart:
-        """Encode items already in memory (their file bytes) through admission, the scheduler and the engine
-        like any `/encode` request (batched with them), and return their rows instead of handing them over:
-        the entry point of producers that store rows themselves (the vLLM front). `EncodeError` on failure."""
-        request = EncodeRequest(req_id=req_id, modality=modality, mm_items=items, priority=priority)
+    async def encode_identified(self, req_id: str, modality: str, keys: Sequence[Hashable], items: Sequence[LoadedItem],
+                                priority: int = 0) -> list[CachedItem]:
+        """Encode items a front decoded and identified itself (`items`: decoded, with their layouts; `keys`: the
+        front's identities of them) through admission, the scheduler and the engine like any `/encode` request
+        (batched with them), never hashed or decoded again: the embedding cache finds and keeps them under `keys`,
+        and one encoding serves every request naming the same key. Each item's rows and layout, in order;
+        `EncodeError` on failure. The entry point of producers that hand rows over themselves (the vLLM front)."""
+        request = EncodeRequest(req_id=req_id, modality=modality, mm_items=list(items), priority=priority)
         meta = PartMeta(req_id=req_id, part_idx=0, num_parts=1, modality=modality)
-
-        async def rows(deadline: float) -> tuple[EncodedPart, EncodedPart]:
-            part = await self.encoder.encode(meta, items, deadline, priority=priority)
-            return part, part
-
-        return await self._admitted(request, rows, front="vllm")
+        return await self._admitted(request, lambda deadline: self.encoder.encode_identified(
+            meta, keys, items, deadline, priority), front="vllm")
 
     async def _admitted(self, request: EncodeRequest, work: Callable[[float], Awaitable[tuple[EncodedPart, T]]],
                         on_failure: Callable[[EncodeError], None] | None = None, timeout_hint: str = "",

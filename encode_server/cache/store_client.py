@@ -287,9 +287,11 @@ class StoreConnection:
 
     # --- writes ------------------------------------------------------------------------------------
 
-    def publish(self, objects: list[tuple[str, bytes]]) -> bool:
-        """Queue objects to be put together (in order); False (dropped, counted) beyond the bound."""
-        size = sum(len(value) for _, value in objects)
+    def publish(self, objects: list[tuple[str, bytes | Callable[[], bytes]]], size: int | None = None) -> bool:
+        """Queue objects to be put together (in order); False (dropped, counted) beyond the bound. A value may be a
+        callable that makes its bytes in the publishing thread (then `size` says how many there will be)."""
+        if size is None:
+            size = sum(len(value) for _, value in objects)
         with self._wake:
             count = sum(len(queued) for queued, _ in self._pending)
             if (not self.up or count + len(objects) > self.config.publish_max_items
@@ -317,7 +319,7 @@ class StoreConnection:
             try:
                 config = self._replicate_config()
                 for key, value in objects:
-                    result = client.put(key, value, config)
+                    result = client.put(key, value() if callable(value) else value, config)
                     if result < 0 and result != OBJECT_ALREADY_EXISTS:  # another pod's value stays: the same rows
                         raise RuntimeError(f"put returned {result}")
                 self.stats.published += 1

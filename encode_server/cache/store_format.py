@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,13 +86,20 @@ class Namespace:
         return f"{self}@layout:{identifier}"
 
 
+def value_size(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """The size of `encode_value`'s object for rows of `shape` and `dtype`, without copying anything; `ValueError`
+    for rows the format cannot hold."""
+    if len(shape) != 2:
+        raise ValueError(f"an item's rows must be 2-D, got shape {tuple(shape)}")
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"vLLM's Store format has no code for {dtype} (float32, float16, bfloat16 only)")
+    return HEADER.size + shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+
+
 def encode_value(rows: torch.Tensor) -> bytes:
     """Header and rows of one item (`[rows, width]`, float32/float16/bfloat16) as one object."""
-    if rows.ndim != 2:
-        raise ValueError(f"an item's rows must be 2-D, got shape {tuple(rows.shape)}")
-    code = DTYPE_CODES.get(rows.dtype)
-    if code is None:
-        raise ValueError(f"vLLM's Store format has no code for {rows.dtype} (float32, float16, bfloat16 only)")
+    value_size(rows.shape, rows.dtype)
+    code = DTYPE_CODES[rows.dtype]
     data = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
     return HEADER.pack(MAGIC, code, rows.shape[0], rows.shape[1]) + data
 

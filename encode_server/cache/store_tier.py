@@ -103,19 +103,22 @@ class StoreTier:
         return rows
 
     def publish(self, identifier: str, rows: torch.Tensor, layout: Any = None) -> bool:
-        """Queue one item for the Store (the layout object first, so a reader never finds rows without it)."""
-        if rows.dtype != self.namespace.dtype:
-            rows = rows.to(self.namespace.dtype)
+        """Queue one item for the Store (the layout object first, so a reader never finds rows without it). The
+        queue's bound is checked before anything is copied: the rows are converted and copied into the object in
+        the publishing thread, never on the caller's loop (the rows must not change meanwhile: the cache's and a
+        finished batch's never do)."""
+        dtype = self.namespace.dtype
         try:
-            objects = []
+            size = store_format.value_size(rows.shape, dtype)
+            objects: list[tuple[str, Any]] = []
             if self.layout_type is not None:
                 objects.append((self.namespace.layout_key(identifier), store_format.encode_layout(layout)))
-            objects.append((self.namespace.key(identifier), store_format.encode_value(rows)))
         except ValueError as exc:
             self.connection.warn("unpublishable", "Mooncake Store: item %s not published: %s", identifier, exc)
             self.stats.publish_drops += 1
             return False
-        return self.connection.publish(objects)
+        objects.append((self.namespace.key(identifier), lambda: store_format.encode_value(rows.to(dtype))))
+        return self.connection.publish(objects, size + sum(len(value) for _, value in objects[:-1]))
 
 
 def row_widths(info: ModelInfo) -> dict[str, int]:

@@ -399,7 +399,7 @@ class ServerMetrics:
         self.registry.register(TransportCollector(transport))
 
     def watch_ec_storage(self, storage) -> None:
-        """Export a `fronts.vllm.example_connector.ECStorage`'s files, bytes and counters, read at every scrape."""
+        """Export a `fronts.vllm.connectors.example.SharedStorage`'s files, bytes and counters, read at every scrape."""
         self.registry.register(ECStorageCollector(storage))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +34,6 @@ from encode_server.ops.setting_values import (
     registry_urls,
 )
 from encode_server.ops.tracing import parse_traces_endpoint
-from encode_server.ops.transfer_config import ECTransferConfig, parse_ec_transfer_config
 
 
 def parse_bool(text: str | bool) -> bool:
@@ -128,6 +128,16 @@ def parsed(parse: Callable[[Any], Any]) -> Check:
     def check(flag: str, value: Any) -> None:
         parse(value)
     return check
+
+
+def a_json_object(flag: str, value: Any) -> None:
+    """JSON text of an object (what it means is read by the part it configures, when the server starts)."""
+    try:
+        data = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"{flag} is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(data).__name__}")
 
 
 def named(parse: Callable[[Any], Any]) -> Check:
@@ -433,8 +443,9 @@ GROUPS: tuple[Group, ...] = (
                "ECCPUConnector with ec_connector_extra_config.ec_enable_nixl true (rows kept in CPU memory registered "
                "with NIXL, ec_cpu_bytes of it, which consumers read; its side channel at "
                "--ec-side-channel-host/-port) or ECExampleConnector (its shared_storage_path: the files of "
-               "--ec-storage); ec_role ec_producer (docs/DEPLOYMENT.md, Using it with vLLM)",
-               check=parsed(parse_ec_transfer_config)),
+               "--ec-storage); ec_role ec_producer (docs/DEPLOYMENT.md, Using it with vLLM); read and checked by the "
+               "vLLM front before the model loads",
+               check=a_json_object),
         Option("--ec-side-channel-host", str, "localhost",
                "with ECCPUConnector: the address its side channel (the ZMQ socket consumers ask for items on) listens "
                "on and is announced as, vLLM's VLLM_EC_SIDE_CHANNEL_HOST", aliases=("VLLM_EC_SIDE_CHANNEL_HOST",)),
@@ -443,9 +454,12 @@ GROUPS: tuple[Group, ...] = (
                aliases=("VLLM_EC_SIDE_CHANNEL_PORT",),
                check=between(1, 65535)),
         Option("--ec-vllm-version", str, "0.33.0",
-               "with ECCPUConnector: the consumers' vLLM version, one of the four parts of the compatibility hash a "
-               "consumer sends with each read (with the model, --ec-model-id else --model; the dtype, --dtype; and the "
-               "block size, the language model's hidden size in bytes); a consumer whose hash differs is refused"),
+               "vLLM producer: the consumers' vLLM version as their vllm.__version__ reads (a 0.32 or 0.33 release): "
+               "it chooses how items are decoded and identified (0.32 keeps an RGB PNG with a tRNS chunk as it is, "
+               "0.33 puts it on white), what the answer's ec_transfer_params hold, and with ECCPUConnector it is one "
+               "of the four parts of the compatibility hash a consumer sends with each read (with the model, "
+               "--ec-model-id else --model; the dtype, --dtype; and the block size, the language model's hidden size "
+               "in bytes); a consumer whose hash differs is refused"),
     )),
 )
 
@@ -469,19 +483,6 @@ def check_together(settings: Settings) -> None:
     if settings.cache_store is not None and settings.cache_bytes == 0:
         raise ValueError("--cache-store is the second tier of the embedding cache: it needs the first "
                          "(--cache-bytes above 0, or auto)")
-    transfer = settings.ec_transfer
-    if transfer is not None:
-        if transfer.connector == "ECCPUConnector" and settings.ec_side_channel_host in ("0.0.0.0", "::", "*", ""):
-            raise ValueError(f"--ec-side-channel-host {settings.ec_side_channel_host!r} is a wildcard, but "
-                             f"ECCPUConnector consumers are told this address to reach the encoder at: give that "
-                             f"address")
-        if transfer.storage_path is not None:
-            if settings.ec_storage is not None and settings.ec_storage != transfer.storage_path:
-                raise ValueError(f"--ec-storage {settings.ec_storage!r} and the --ec-transfer-config's "
-                                 f"shared_storage_path {transfer.storage_path!r} differ: give one")
-        elif settings.ec_storage is not None:
-            raise ValueError(f"--ec-storage writes files for ECExampleConnector, --ec-transfer-config asks for "
-                             f"{transfer.connector}: one vLLM connector per server")
     if settings.encoder_transfer_backend == "mooncake":
         settings.transfer_host  # noqa: B018 - refuses a wildcard --host without --mooncake-host
     if settings.register_with:
@@ -503,13 +504,6 @@ class SettingsViews:
         return self.ec_model_id or self.model
 
     @property
-    def ec_storage_folder(self) -> str | None:
-        """The folder ECExampleConnector's files go to: `--ec-storage`, else the `--ec-transfer-config`'s
-        shared_storage_path (None: neither)."""
-        transfer = self.ec_transfer
-        return self.ec_storage or (transfer.storage_path if transfer is not None else None)
-
-    @property
     def transfer_host(self) -> str:
         """The address the SGLang mooncake backend's TransferEngine is known by."""
         if self.mooncake_host:
@@ -524,17 +518,6 @@ class SettingsViews:
             raise ValueError(f"--encoder-transfer-backend mooncake: --host {self.host!r} is a wildcard; give the "
                              f"address receivers know this encoder by with --mooncake-host (or --advertise-url)")
         return self.host
-
-    @property
-    def ec_transfer(self) -> ECTransferConfig | None:
-        """`--ec-transfer-config`, read (None: not given)."""
-        return None if self.ec_transfer_config is None else parse_ec_transfer_config(self.ec_transfer_config)
-
-    @property
-    def vllm_push(self) -> ECTransferConfig | None:
-        """The transfer config when it asks for a connector that pushes rows (not ECExampleConnector's files)."""
-        transfer = self.ec_transfer
-        return transfer if transfer is not None and transfer.storage_path is None else None
 
     @property
     def adaptive_wait(self) -> bool:

@@ -7,14 +7,10 @@ checked here from that documented layout, not from the server's code."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
-import socket
 import struct
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,64 +19,20 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.helpers import InProcessServer, decode_embedding, png_bytes
+from tests.support.mooncake_store import (
+    FLOAT32_CODE,
+    MAGIC,
+    Master,
+    peer,
+    store_args,
+    vllm_get,
+    vllm_key,
+    vllm_put,
+    wait_for,
+)
 from tests.support.optional import import_or_skip
 
 mooncake_store = import_or_skip("mooncake", "mooncake.store")
-
-MAGIC = 0x4D4F4F4E  # vLLM's _MOONCAKE_TENSOR_OBJECT_MAGIC
-FLOAT32_CODE = 0
-# vLLM 0.33.0's MultiModalConfig().compute_hash(): md5 of its printed default encoder factors.
-VLLM_ENCODER_HASH = hashlib.md5(b"[None, 'weights', None, None, True]").hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def master_binary() -> str:
-    import mooncake
-
-    path = Path(mooncake.__file__).parent / "mooncake_master"
-    check = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=30)
-    if "error while loading shared libraries" in check.stderr:
-        pytest.skip(f"mooncake_master cannot run here: {check.stderr.strip()} (Debian: apt-get install libibverbs1)")
-    return str(path)
-
-
-class Master:
-    """A real mooncake_master on a loopback port; `kill` and `start` again on the same port."""
-
-    def __init__(self) -> None:
-        self.binary = master_binary()
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mooncake://127.0.0.1:{self.port}"
-
-    def start(self) -> Master:
-        self.process = subprocess.Popen(
-            [self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", f"--metrics_port={self.metrics_port}",
-             "--metrics_host=127.0.0.1", "--enable_metric_reporting=false", "--rpc_thread_num=2",
-             "--client_ttl=5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("mooncake_master did not listen within 20 s")
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.process = None
 
 
 @pytest.fixture
@@ -90,19 +42,6 @@ def master():
         yield running
     finally:
         running.kill()
-
-
-def peer(master: Master, segment: int = 64 << 20):
-    """A raw Mooncake Store client, as vLLM's embedding client sets one up; it lends the pool `segment` bytes."""
-    store = mooncake_store.MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", f"127.0.0.1:{master.port}") == 0
-    return store
-
-
-def store_args(master: Master, *extra: str) -> tuple[str, ...]:
-    # The servers lend no memory: what they publish lives in the peer's segment and outlives them.
-    return ("--cache-bytes", "64MiB", "--health-probe-interval-s", "3600", "--cache-store", master.url,
-            "--cache-store-global-segment-size", "0", "--cache-store-local-buffer-size", "16MiB", *extra)
 
 
 def encode(server, image: bytes, req_id: str = "r") -> dict:
@@ -115,13 +54,6 @@ def encode(server, image: bytes, req_id: str = "r") -> dict:
 
 def forwards(server) -> float:
     return server.metric("encoder_batch_tokens_count", modality="image")
-
-
-def wait_for(condition, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def published(server) -> float:
@@ -198,9 +130,9 @@ def _record_keys(monkeypatch):
     original = StoreConnection.publish
     _published_keys.clear()
 
-    def recording(self, objects):
+    def recording(self, objects, size=None):
         _published_keys.extend(key for key, _ in objects)
-        return original(self, objects)
+        return original(self, objects, size)
 
     monkeypatch.setattr(StoreConnection, "publish", recording)
 
@@ -318,12 +250,6 @@ def test_a_store_of_an_unreadable_protocol_is_refused(master):
     holder.close()
 
 
-def vllm_key(identifier: str, model: str = "tiny-qwen2.5-vl") -> str:
-    """vLLM 0.33's key for an item (build_embedding_namespace + make_embedding_key), written out by hand."""
-    return (f"embedding@model:{model}@revision:default@encoder:{VLLM_ENCODER_HASH}@dtype:torch.float32"
-            f"@protocol:v3@id:{identifier}")
-
-
 def chat(server, *parts: dict) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": "tiny-qwen2.5-vl", "max_tokens": 1,
@@ -333,39 +259,6 @@ def chat(server, *parts: dict) -> httpx.Response:
 def image_part(data: bytes, uuid: str | None = None) -> dict:
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
     return {**part, "uuid": uuid} if uuid else part
-
-
-def vllm_put(store, key: str, rows: torch.Tensor) -> None:
-    """vLLM 0.33's MooncakeEmbeddingStoreClient.put_tensor: header and rows from two registered buffers."""
-    import ctypes
-
-    header = struct.pack("<IIQQ", MAGIC, FLOAT32_CODE, *rows.shape)
-    header_buffer = (ctypes.c_ubyte * len(header)).from_buffer_copy(header)
-    rows = rows.contiguous()
-    buffers = [(ctypes.addressof(header_buffer), len(header)), (rows.data_ptr(), rows.numel() * rows.element_size())]
-    for address, size in buffers:
-        assert store.register_buffer(address, size) == 0
-    config = mooncake_store.ReplicateConfig()
-    config.data_type = mooncake_store.ObjectDataType.TENSOR
-    try:
-        [result] = store.batch_put_from_multi_buffers([key], [[address for address, _ in buffers]],
-                                                      [[size for _, size in buffers]], config)
-        assert result >= 0, result
-    finally:
-        for address, _ in buffers:
-            store.unregister_buffer(address)
-
-
-def vllm_get(store, key: str, size: int) -> bytes:
-    """vLLM 0.33's _load_chunk: batch_get_into a registered buffer of the expected size, all of it or nothing."""
-    buffer = torch.empty(size, dtype=torch.uint8)
-    assert store.register_buffer(buffer.data_ptr(), size) == 0
-    try:
-        [result] = store.batch_get_into([key], [buffer.data_ptr()], [size])
-    finally:
-        store.unregister_buffer(buffer.data_ptr())
-    assert result == size, result
-    return buffer.numpy().tobytes()
 
 
 def test_vllm_objects_both_ways(master, tmp_path):
@@ -384,6 +277,7 @@ def test_vllm_objects_both_ways(master, tmp_path):
         assert response.status_code == 200, response.text
         (item,) = response.json()["encoder_cache"]
         assert item["identifier"] == "from-vllm" and item["hit"] and item["tokens"] == 16
+        assert response.json()["ec_transfer_params"]["from-vllm"]["item_indices"] == [0]
         assert forwards(server) == probe_forwards  # nothing encoded
         assert server.metric("encoder_cache_store_hits_total") == 1
         stored = load_file(str(tmp_path / "ec" / "from-vllm" / "encoder_cache.safetensors"))["ec_cache"]

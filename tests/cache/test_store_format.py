@@ -150,6 +150,23 @@ def test_publishing_beyond_the_bound_drops_and_counts():
     assert not connection.publish([("e", b"x")]) and connection.stats.publish_drops == 3
 
 
+def test_a_tier_checks_the_bound_before_copying_and_copies_in_the_publisher(monkeypatch):
+    from encode_server.cache.store_tier import StoreTier
+
+    client = SlowClient()
+    connection = connected(client, publish_max_items=8, publish_max_bytes=24 + 4 * 8 * 2)
+    tier = StoreTier(connection, Namespace("embedding", "m", "default", "e", torch.float16), {"image": 8})
+    copies = []
+    encode = store_format.encode_value
+    monkeypatch.setattr(store_format, "encode_value", lambda rows: copies.append(rows) or encode(rows))
+    rows = torch.randn(4, 8)
+    assert tier.publish("one", rows) and copies == []  # queued, nothing copied on the caller's thread
+    assert not tier.publish("two", torch.randn(5, 8)) and copies == []  # beyond the bound: dropped, never copied
+    assert connection.stats.publish_drops == 1
+    [(objects, size)] = connection._pending
+    assert size == 24 + 4 * 8 * 2 and objects[0][1]() == encode(rows.to(torch.float16)) and len(copies) == 1
+
+
 def test_the_publisher_puts_the_layout_before_the_rows():
     client = SlowClient()
     connection = connected(client)

@@ -26,7 +26,8 @@ from tests.support.paths import ROOT
 from tests.support.vllm_requests import CONSUMER_MODEL, data_url, image_part, media_url, native_rows_of, proxy_body
 
 import_or_skip("nixl")
-from encode_server.fronts.vllm.cpu_connector import compatibility_hash  # noqa: E402
+from encode_server.fronts.vllm.connectors.cpu import compatibility_hash  # noqa: E402
+from encode_server.fronts.vllm.transfer_config import connector_config  # noqa: E402
 from tests.support.nixl_consumer import NixlConsumer  # noqa: E402
 
 CONNECTOR = "ECCPUConnector"
@@ -80,12 +81,13 @@ class Producer:
 @contextlib.contextmanager
 def direct_producer(cpu_bytes: int = 64 << 20, hidden: int = 128, lease_s: float = 30.0, hold_s: float = 60.0):
     """The connector's producer without a server or model (rows made by the test), its side channel on loopback."""
-    from encode_server.fronts.vllm.cpu_connector import CPUConnectorProducer
-    from encode_server.ops.transfer_config import parse_ec_transfer_config
+    from encode_server.fronts.vllm.connectors.cpu import ECCPUConnector
+    from encode_server.fronts.vllm.transfer_config import parse_ec_transfer_config
+    from encode_server.fronts.vllm.versions import VllmVersion
 
     config = parse_ec_transfer_config(transfer_config(cpu_bytes, lease_s, hold_s))
     port = free_port()
-    producer = CPUConnectorProducer(config, "test", hidden, torch.float32, "m", "0.33.0", "127.0.0.1", port)
+    producer = ECCPUConnector(config, "test", hidden, torch.float32, "m", VllmVersion("0.33.0"), "127.0.0.1", port)
     producer.port = port
     try:
         yield producer
@@ -97,9 +99,9 @@ def publish(producer, *items: tuple[str, torch.Tensor]) -> dict:
     """The producer's answer for items (identifier, rows), as the chat route gets it."""
     import asyncio
 
-    from encode_server.fronts.vllm.producer import ItemRows
+    from encode_server.fronts.vllm.connectors.base import ItemRows
 
-    return asyncio.run(producer.publish([ItemRows(name, "image", rows, None) for name, rows in items], "r"))
+    return asyncio.run(producer.hand_over([ItemRows(name, "image", rows, None) for name, rows in items], None, "r"))
 
 
 def settled(producer, timeout_s: float = 5.0) -> bool:
@@ -121,13 +123,16 @@ def announced(response: httpx.Response) -> list[tuple[str, dict]]:
     return [(item["identifier"], params[item["identifier"]]) for item in answer["encoder_cache"]]
 
 
-def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held():
+def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held_and_store_hits_are_read():
+    """With the shared tier too (`--cache-store`): a Store hit is read from the pool, what is encoded published under
+    vLLM's key."""
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
     from encode_server.fronts.vllm.video import decode_vllm_video
+    from tests.support.mooncake_store import check_vllm_connector_with_the_store, pool, store_args
     from tests.support.vllm_requests import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)
-    with Producer() as producer, producer.consumer() as consumer:
+    with pool() as (master, holder), Producer(*store_args(master)) as producer, producer.consumer() as consumer:
         hidden = httpx.get(f"{producer.url}/server_info").json()["model"]["hidden_size"]
         assert producer.block_size == hidden * 4  # one float32 row of the language model
         parts = [image_part(data_url(first)), {"type": "video_url", "video_url": {"url": media_url(clip, "video/mp4")}},
@@ -159,6 +164,10 @@ def test_images_video_and_a_repeat_are_read_bit_identical_then_nothing_is_held()
         assert producer.metric("encoder_transport_held_bytes") == 0
         info = httpx.get(f"{producer.url}/server_info").json()["transport"]["vllm"]
         assert info["connector"] == CONNECTOR and info["registered_bytes"] == 64 << 20
+        check_vllm_connector_with_the_store(producer.server, holder, producer.encode,
+                                            lambda identifier, entry: consumer.read(entry, identifier, torch.float32),
+                                            CONSUMER_MODEL)
+        assert producer.settled()
 
 
 def test_audio_is_read_bit_identical():
@@ -266,7 +275,7 @@ def test_concurrent_requests_are_read_bit_identical_and_leave_nothing_held():
 @pytest.mark.quick
 def test_a_thousand_items_through_the_producer_leave_nothing_held():
     """The transport's bookkeeping over 1,000 items (no model: rows made here), each read by a consumer."""
-    from encode_server.fronts.vllm.producer import ItemRows
+    from encode_server.fronts.vllm.connectors.base import ItemRows
 
     generator = torch.Generator().manual_seed(0)
     with direct_producer(cpu_bytes=64 << 10, hidden=32) as producer:
@@ -354,14 +363,14 @@ def test_configurations_the_connector_cannot_honour_are_refused_in_one_line():
                                                 "producer_pin_lease_s": 0}}, "producer_pin_lease_s"),
     ]:
         with pytest.raises(ValueError) as refused:
-            Settings(ec_transfer_config=json.dumps(config))
+            connector_config(Settings(ec_transfer_config=json.dumps(config)))
         assert needle in str(refused.value) and "\n" not in str(refused.value), (needle, refused.value)
     good = json.dumps({**base, "ec_connector_extra_config": {"ec_enable_nixl": "true", "ec_cpu_bytes": "1e6"}})
     with pytest.raises(ValueError, match="wildcard"):
-        Settings(ec_transfer_config=good, ec_side_channel_host="0.0.0.0")
-    settings = Settings(ec_transfer_config=good)
-    assert settings.vllm_push.cpu_bytes == 10**6 and settings.vllm_push.pin_lease_s == 30.0
-    assert settings.vllm_push.progress_thread is False
+        connector_config(Settings(ec_transfer_config=good, ec_side_channel_host="0.0.0.0"))
+    config = connector_config(Settings(ec_transfer_config=good))
+    assert config.cpu_bytes == 10**6 and config.pin_lease_s == 30.0
+    assert config.progress_thread is False
 
 
 @pytest.mark.quick
@@ -375,7 +384,7 @@ def test_the_compatibility_hash_is_vllms():
 
 @pytest.mark.quick
 def test_a_server_without_nixl_names_the_install(monkeypatch):
-    from encode_server.ops import transfer_config
+    from encode_server.fronts.vllm import transfer_config
 
     monkeypatch.setattr(transfer_config, "installed", lambda library: False)
     with pytest.raises(ValueError, match=r"needs the nixl library.*pip install nixl") as refused:

@@ -1,4 +1,4 @@
-"""The vLLM EC storage (`fronts.vllm.example_connector.ECStorage`): vLLM's layout, atomic writes, the bound and the
+"""The vLLM EC storage (`fronts.vllm.connectors.example.SharedStorage`): vLLM's layout, atomic writes, the bound and the
 minimum age, hits, and what is found at start-up. In-process, on a fake wall clock."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from encode_server.fronts.vllm.example_connector import FILE_NAME, TENSOR_KEY, ECStorage, check_identifier
+from encode_server.fronts.vllm.connectors.example import FILE_NAME, TENSOR_KEY, SharedStorage, check_identifier
 
 pytestmark = pytest.mark.quick
 
@@ -28,7 +28,7 @@ def rows(seed: int, count: int = 4, width: int = 8, dtype=torch.float32) -> torc
 
 
 def test_written_where_and_as_vllms_connector_reads_it(tmp_path):
-    storage = ECStorage(tmp_path, fsync=False)
+    storage = SharedStorage(tmp_path, fsync=False)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         tensor = rows(1, dtype=dtype)
         storage.write(f"item-{dtype}", tensor)
@@ -41,12 +41,12 @@ def test_written_where_and_as_vllms_connector_reads_it(tmp_path):
 
 def test_a_slice_of_a_larger_batch_is_stored_alone(tmp_path):
     batch = rows(2, count=10)
-    ECStorage(tmp_path, fsync=False).write("slice", batch[3:7])
+    SharedStorage(tmp_path, fsync=False).write("slice", batch[3:7])
     assert torch.equal(load_file(str(tmp_path / "slice" / FILE_NAME))[TENSOR_KEY], batch[3:7])
 
 
 def test_lookup_is_a_hit_only_for_a_whole_file(tmp_path):
-    storage = ECStorage(tmp_path, fsync=False)
+    storage = SharedStorage(tmp_path, fsync=False)
     assert not storage.lookup("absent") and storage.stats.hits == 0
     (tmp_path / "partial").mkdir()
     (tmp_path / "partial" / ".encoder_cache.1.abc.tmp").write_bytes(b"half")
@@ -65,9 +65,9 @@ def test_identifiers_that_cannot_name_one_folder_are_refused(tmp_path):
 
 def test_bound_evicts_least_recently_written_or_hit_first(tmp_path):
     clock = Clock()
-    probe = ECStorage(tmp_path / "probe", fsync=False)
+    probe = SharedStorage(tmp_path / "probe", fsync=False)
     size = probe.write("x", rows(0))
-    storage = ECStorage(tmp_path / "ec", max_bytes=3 * size, min_age_s=10, clock=clock, fsync=False)
+    storage = SharedStorage(tmp_path / "ec", max_bytes=3 * size, min_age_s=10, clock=clock, fsync=False)
     for index in range(3):
         storage.write(f"item{index}", rows(index))
         clock.now += 20
@@ -81,8 +81,8 @@ def test_bound_evicts_least_recently_written_or_hit_first(tmp_path):
 
 def test_nothing_younger_than_the_minimum_age_is_evicted(tmp_path):
     clock = Clock()
-    size = ECStorage(tmp_path / "probe", fsync=False).write("x", rows(0))
-    storage = ECStorage(tmp_path / "ec", max_bytes=2 * size, min_age_s=60, clock=clock, fsync=False)
+    size = SharedStorage(tmp_path / "probe", fsync=False).write("x", rows(0))
+    storage = SharedStorage(tmp_path / "ec", max_bytes=2 * size, min_age_s=60, clock=clock, fsync=False)
     for index in range(4):
         storage.write(f"item{index}", rows(index))
         clock.now += 1
@@ -95,13 +95,13 @@ def test_nothing_younger_than_the_minimum_age_is_evicted(tmp_path):
 
 def test_start_up_counts_what_is_there_oldest_first_and_clears_leftovers(tmp_path):
     clock = Clock()
-    first = ECStorage(tmp_path, fsync=False, clock=clock)
+    first = SharedStorage(tmp_path, fsync=False, clock=clock)
     size = first.write("old", rows(1))
     first.write("new", rows(2))
     os.utime(tmp_path / "old" / FILE_NAME, (1, 1))
     os.utime(tmp_path / "new" / FILE_NAME, (2, 2))
     (tmp_path / "new" / ".encoder_cache.9.dead.tmp").write_bytes(b"interrupted")
-    again = ECStorage(tmp_path, max_bytes=size, min_age_s=0, fsync=False, clock=clock)
+    again = SharedStorage(tmp_path, max_bytes=size, min_age_s=0, fsync=False, clock=clock)
     assert again.files == 2 and again.bytes_held == 2 * size
     assert not (tmp_path / "new" / ".encoder_cache.9.dead.tmp").exists()
     again.evict()
@@ -109,7 +109,7 @@ def test_start_up_counts_what_is_there_oldest_first_and_clears_leftovers(tmp_pat
 
 
 def test_concurrent_writers_and_readers_never_see_a_partial_file(tmp_path):
-    storage = ECStorage(tmp_path, fsync=False)
+    storage = SharedStorage(tmp_path, fsync=False)
     tensor = rows(5, count=2000, width=64)
     errors: list[str] = []
     done = threading.Event()

@@ -12,12 +12,15 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import pytest
 import torch
 
+from encode_server.fronts.vllm.transfer_config import connector_config
 from encode_server.ops.settings import load_settings
+from encode_server.runtime import StartError, fronts_for
 from tests.support.helpers import InProcessServer, free_port, png_bytes
 from tests.support.optional import import_or_skip
 from tests.support.paths import GOLDEN as GOLDEN_ROOT
@@ -54,13 +57,16 @@ def assert_nothing_held(srv) -> None:
     assert srv.metric("encoder_transport_open_reservations", transport="ECMooncakeConnector") == 0
 
 
-def test_images_and_video_land_bit_identical_on_every_consumer_rank():
+def test_images_and_video_land_bit_identical_on_every_consumer_rank_and_store_hits_are_pushed():
+    """With the shared tier too (`--cache-store`): a Store hit is pushed, what is encoded published under vLLM's key."""
     clip = (GOLDEN_ROOT / "vllm-videos" / "clip.mp4").read_bytes()
     from encode_server.fronts.vllm.video import decode_vllm_video
+    from tests.support.mooncake_store import check_vllm_connector_with_the_store, pool, store_args
     from tests.support.vllm_requests import frames_item
 
     first, second = png_bytes(64, 48, 3), png_bytes(40, 56, 4)
-    with server() as srv, ConsumerStandIn(free_port(), ranks=2) as consumer:
+    with pool() as (master, holder), server(*store_args(master)) as srv, \
+            ConsumerStandIn(free_port(), ranks=2) as consumer:
         parts = [image_part(data_url(first)), {"type": "video_url", "video_url": {"url": media_url(clip, "video/mp4")}},
                  image_part(data_url(second)), image_part(data_url(first))]  # the first image twice
         response = push(srv, consumer.address, parts, ["t0", "t1", "t2", "t3"])
@@ -90,6 +96,18 @@ def test_images_and_video_land_bit_identical_on_every_consumer_rank():
         assert_nothing_held(srv)
         info = httpx.get(f"{srv.url}/server_info").json()["transport"]["vllm"]
         assert info["connector"] == "ECMooncakeConnector" and info["protocol"] == "tcp"
+
+        def send(parts):
+            body = {**proxy_body(*parts), "ec_transfer_params": {"consumer_zmq": consumer.address}}
+            return httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"x-request-id": uuid.uuid4().hex},
+                              timeout=60)
+
+        def received(identifier, entry):
+            landed = consumer.received(entry["transfer_id"])
+            assert len(landed) == 2 and torch.equal(landed[0], landed[1])
+            return landed[0]
+
+        check_vllm_connector_with_the_store(srv, holder, send, received, CONSUMER_MODEL)
 
 
 def test_audio_lands_bit_identical():
@@ -202,23 +220,23 @@ def test_configurations_the_server_cannot_honour_are_refused_in_one_line():
         ({"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}, "shared_storage_path"),
     ]:
         text = config if isinstance(config, str) else json.dumps(config)
-        with pytest.raises(SystemExit):
-            load_settings(["--ec-transfer-config", text])
-        try:
-            from encode_server.ops.settings import Settings
-
-            Settings(ec_transfer_config=text)
-        except ValueError as exc:
-            assert needle in str(exc) and "\n" not in str(exc), (needle, exc)
-        else:
-            raise AssertionError(f"{text} was accepted")
+        if not isinstance(config, dict):  # not even a JSON object: refused with the other bad values
+            with pytest.raises(SystemExit):
+                load_settings(["--ec-transfer-config", text])
+            continue
+        settings = load_settings(["--ec-transfer-config", text])
+        with pytest.raises(StartError):  # by the vLLM front, before the model loads
+            fronts_for(settings)
+        with pytest.raises(ValueError) as refused:
+            connector_config(settings)
+        assert needle in str(refused.value) and "\n" not in str(refused.value), (needle, refused.value)
     # The same JSON from the environment; ECExampleConnector's folder is --ec-storage's.
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps({
         "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
         "ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}})})
-    assert settings.ec_storage_folder == "/tmp/ec" and settings.ec_storage is None and settings.vllm_push is None
+    assert connector_config(settings).storage_path == "/tmp/ec"
     settings = load_settings([], {"ENCODER_EC_TRANSFER_CONFIG": json.dumps(base)})
-    assert settings.vllm_push.protocol == "rdma" and settings.vllm_push.buffer_size == 10**9
+    assert connector_config(settings).protocol == "rdma" and connector_config(settings).buffer_size == 10**9
 
 
 @pytest.mark.quick
@@ -226,11 +244,11 @@ def test_a_server_without_mooncake_names_the_install(monkeypatch):
     from encode_server.ops import libraries
 
     monkeypatch.setattr(libraries, "installed", lambda library: False)
-    from encode_server.ops import transfer_config
+    from encode_server.fronts.vllm import transfer_config
 
     monkeypatch.setattr(transfer_config, "installed", lambda library: False)
     with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1") as refused:
         transfer_config.parse_ec_transfer_config({"ec_connector": "ECMooncakeConnector", "ec_role": "ec_producer"})
     assert "encode-server[" not in str(refused.value)  # no index has a package of that name
     # Without a transfer config nothing asks for the library.
-    assert load_settings([]).ec_transfer is None
+    assert connector_config(load_settings([])) is None

@@ -93,6 +93,12 @@ def test_hits_uuids_and_several_items_in_one_body(tmp_path):
         assert again.status_code == 200, again.text
         assert [item["hit"] for item in again.json()["encoder_cache"]] == [True, True]
         assert [item["tokens"] for item in again.json()["encoder_cache"]] == [items[0]["tokens"], items[1]["tokens"]]
+        # A hit still carries the placeholder metadata (vLLM's proxy then sends the consumer the item by its
+        # identifier, not the media); the uuid alone has no media to size it by.
+        params = again.json()["ec_transfer_params"]
+        assert params[items[0]["identifier"]]["metadata"] == response.json()["ec_transfer_params"][
+            items[0]["identifier"]]["metadata"] != {}
+        assert params["mine-2"]["metadata"] == {} and params["mine-2"]["item_indices"] == [1]
         assert server.metric("encoder_ec_storage_writes_total") == 2
         assert server.metric("encoder_ec_storage_hits_total") == 2
         assert server.metric("encoder_batch_size_count") == forwards
@@ -103,6 +109,7 @@ def test_hits_uuids_and_several_items_in_one_body(tmp_path):
     with InProcessServer("--ec-storage", str(storage)) as server:
         response = post(server, proxy_body(image_part(data_url(second), uuid="mine-2")))
         assert response.json()["encoder_cache"][0]["hit"] and server.metric("encoder_ec_storage_files") == 2
+        assert set(response.json()["ec_transfer_params"]["mine-2"]["metadata"]) == {"image_grid_thw"}
 
 
 def test_bad_items_are_openai_errors_naming_them_and_write_nothing(tmp_path):

@@ -52,6 +52,15 @@ def forwards(service: EncoderService) -> float:
     return service.metrics.registry.get_sample_value("encoder_batch_size_count", {"modality": "image"}) or 0.0
 
 
+def decoded(service: EncoderService, name: str):
+    """An image a producer decoded itself, with its layout."""
+    from encode_server.media.decoding import decode_image
+    from encode_server.media.loader import LoadedItem
+
+    image = decode_image(base64.b64decode(image_of(name)), 10**8, name)
+    return LoadedItem(image, service.adapter.processor.item_layout("image", image))
+
+
 def requests(service: EncoderService, status: str) -> float:
     value = service.metrics.registry.get_sample_value("encoder_requests_total", {"modality": "image", "status": status})
     return value or 0.0
@@ -113,15 +122,15 @@ async def test_overload_is_503_with_retry_after(holding):
 async def test_rows_for_a_producer_go_through_the_same_admission_and_batches(holding):
     service, clock = holding
     held = [asyncio.ensure_future(service.encode(body(f"held-{i}"))) for i in range(2)]
-    rows = asyncio.ensure_future(service.encode_rows("rows", "image", [base64.b64decode(image_of("rows"))]))
+    rows = asyncio.ensure_future(service.encode_identified("rows", "image", ["rows"], [decoded(service, "rows")]))
     await until(lambda: service.pending == 3)
     with pytest.raises(EncodeError) as refused:
-        await service.encode_rows("one-too-many", "image", [base64.b64decode(image_of("one-too-many"))])
+        await service.encode_identified("one-too-many", "image", ["x"], [decoded(service, "one-too-many")])
     assert refused.value.status == 503 and refused.value.req_id == "one-too-many"
     await until(lambda: service.scheduler.queue_depth == 3)
     await clock.advance(3.0)
-    part = await rows
-    assert part.batch_size == 3 and part.embedding.shape[0] == sum(layout.tokens for layout in part.layouts)
+    [item] = await rows
+    assert item.rows.shape[0] == item.layout.tokens
     assert all(response["batch_size"] == 3 for response in await asyncio.gather(*held))
     assert requests(service, "200") == 3 and service.pending == 0
 

@@ -1,10 +1,12 @@
-"""Drive this encoder as vLLM 0.33.0's encoder instance ("E") with vLLM's own, unchanged code, and print tables.
+"""Drive this encoder as vLLM's encoder instance ("E") with vLLM's own, unchanged code, and print tables.
 
-Runs in the side venv that `tools/compat/vllm_compat.sh` builds (vLLM 0.33.0 without its GPU kernels, what its
-hasher, media loader, chat parsing, multimodal processors and ECExampleConnector import, and this server's
-dependencies), from the repository root:
+Runs in a side venv that `tools/compat/vllm_compat.sh [VERSION]` builds (vLLM 0.33.0 or 0.32.0 without its GPU
+kernels, what its hasher, media loader, chat parsing, multimodal processors and ECExampleConnector import, and this
+server's dependencies), from the repository root; the server is told the side venv's vLLM version
+(`--ec-vllm-version`), as a deployment tells it its consumers':
 
     VLLM_TARGET_DEVICE=cpu .vllm-venv/bin/python tools/compat/vllm_compat.py [--families all|qwen2_5_vl,...]
+    VLLM_TARGET_DEVICE=cpu .vllm-venv-0.32.0/bin/python tools/compat/vllm_compat.py --families qwen2_5_vl
 
 For each family it builds a tiny full checkpoint folder (language model, full processor and a tiny
 tokenizer, as the parity tests do; the recent families with the server's own `transformers`), starts
@@ -29,10 +31,13 @@ WAV); a video's rows must also equal, within 1e-5 relative, the model's own vide
 made of the item: the rows the language model receives in a monolithic vLLM. A modality this server
 refuses in this mode (a 400 naming why) gets a row saying so. Qwen2.5-VL
 also runs the scenarios: http images (from a loopback server), an EXIF-rotated JPEG, a
-transparent PNG, a uuid part, a corrupt image (4xx naming it, nothing written), a repeated image and a
-file vLLM's own producer wrote (`save_caches`; no second encode), 16 concurrent requests (while a
-reader opens every file that appears: never a partial one), and the storage bound (evictions, oldest
-first). Not run by CI (the install is several GB).
+transparent PNG, an RGB PNG with a tRNS chunk (whose identifier differs between 0.32 and 0.33; a server told the
+other version misses it), the consumer looking an item up before it is written (0.32 leaves an empty folder there),
+a uuid part, the current example proxy's grouped request (an encoder's items in one request, with a uuid each
+and without, `ec_transfer_params` matched back by `item_indices`), a corrupt image (4xx naming it, nothing
+written), a repeated image and a file vLLM's own producer wrote (`save_caches`; no second encode), 16 concurrent
+requests (while a reader opens every file that appears: never a partial one), and the storage bound (evictions,
+oldest first). Not run by CI (the install is several GB).
 """
 
 from __future__ import annotations
@@ -82,14 +87,17 @@ def quiet() -> None:
 # --- media ---------------------------------------------------------------------------------------
 
 
-def random_png(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+def random_png(width: int, height: int, seed: int, mode: str = "RGB", transparency: tuple | None = None) -> bytes:
+    """Random pixels as a PNG; `transparency` (an RGB colour) writes a tRNS chunk into an RGB one."""
     import numpy as np
     from PIL import Image
 
     channels = {"RGB": 3, "RGBA": 4}[mode]
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    if transparency is not None:
+        pixels[: height // 2, : width // 2] = transparency  # a quarter of the image is the transparent colour
     buffer = io.BytesIO()
-    Image.fromarray(pixels, mode).save(buffer, "PNG")
+    Image.fromarray(pixels, mode).save(buffer, "PNG", **({"transparency": transparency} if transparency else {}))
     return buffer.getvalue()
 
 
@@ -213,7 +221,10 @@ class Consumer:
 
     def parse(self, body: dict):
         """vLLM's chat parsing: the items as its media connector loads them, and the parts' uuids."""
-        from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+        try:
+            from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+        except ImportError:  # vLLM 0.32: one module
+            from vllm.renderers.chat_utils import parse_chat_messages
 
         _conversation, mm_data, mm_uuids = parse_chat_messages(body["messages"], self.model_config, "string")
         return mm_data, mm_uuids
@@ -312,8 +323,12 @@ class Consumer:
 
 
 def png_b64(image) -> str:
+    """The pixels vLLM decoded as a PNG without a tRNS chunk: its consumers' processors read RGB pixels as they are
+    (vLLM 0.32 keeps an RGB image with a tRNS chunk, which a newer `convert_to_rgb` would composite)."""
+    image = image.convert("RGB")
+    image.info.pop("transparency", None)
     buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, "PNG")
+    image.save(buffer, "PNG")
     return base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -360,11 +375,15 @@ def metric(url: str, name: str) -> float:
 SERVER_PYTHON: list[str] = []
 
 
-def start_server(folder: Path, storage: Path, *extra: str):
+def start_server(folder: Path, storage: Path, *extra: str, version: str | None = None):
+    """This server on `folder` with `--ec-storage`, told the consumers run this side venv's vLLM (or `version`)."""
+    import vllm
+
     from tests.support.helpers import ServerProcess
 
     return ServerProcess("--model", str(folder), "--ec-storage", str(storage), "--allow-private-urls", "true",
-                         "--cache-bytes", "0", *extra, startup_timeout=300, python=SERVER_PYTHON[0])
+                         "--cache-bytes", "0", "--ec-vllm-version", version or vllm.__version__, *extra,
+                         startup_timeout=300, python=SERVER_PYTHON[0])
 
 
 def check_round_trip(consumer: Consumer, server_url: str, body: dict, step: str,
@@ -750,9 +769,14 @@ def scenarios(work: Path) -> None:
                              "EXIF-rotated JPEG (http)")
             check_round_trip(consumer, url, chat_body(model, [image_part(data_url(random_png(70, 50, 24, "RGBA")))]),
                              "transparent PNG (composited on white, io_config in the hash)")
+            trns = random_png(66, 54, 28, transparency=(10, 20, 30))
+            check_round_trip(consumer, url, chat_body(model, [image_part(data_url(trns))]),
+                             "RGB PNG with a tRNS chunk (0.32: kept as it is; 0.33: composited on white)")
             check_round_trip(consumer, url, chat_body(model, [image_part(data_url(random_png(60, 60, 25)),
                                                                          "compat-item-1")]),
                              "uuid part (identifier is the uuid)", expect_ids=["compat-item-1"])
+            looked_up_first(consumer, url, storage, model)
+            grouped(consumer, url, model)
 
             # A corrupt image: our 4xx names it, nothing is written; vLLM's own parsing refuses it too.
             before = storage_files(storage)
@@ -802,9 +826,71 @@ def scenarios(work: Path) -> None:
             record("no temporary file left in the storage", not any(".tmp" in name for name in storage_files(storage)),
                    f"{len(storage_files(storage))} files")
             print(httpx.get(f"{url}/metrics").text.count("encoder_ec_storage"), "EC storage series exported")
+        other_version(consumer, folder, work)
         bounded(consumer, folder, work)
     finally:
         media.close()
+
+
+def looked_up_first(consumer: Consumer, url: str, storage: Path, model: str) -> None:
+    """The consumer looks an item up before it is written (vLLM 0.32's lookup leaves an empty folder at its
+    identifier); our write then goes into that folder, and the consumer loads the item."""
+    body = chat_body(model, [image_part(data_url(random_png(58, 62, 29)))])
+    features, loaded = consumer.load(consumer.process(*consumer.parse(body)))
+    identifier = features[0].identifier
+    leftover = (storage / identifier).is_dir() and not any((storage / identifier).iterdir())
+    check_round_trip(consumer, url, body, "an item the consumer looked up first (a miss"
+                     + (", which left an empty folder)" if leftover else ")"))
+
+
+def grouped(consumer: Consumer, url: str, model: str) -> None:
+    """The current example proxy's encoder request: an encoder's images grouped into one request (no max_tokens),
+    with a uuid each (sha256 of the URL, as its `content_uuid`) or without; its `ec_transfer_params` matched back
+    per position by `item_indices`, and every item loaded by the consumer."""
+    import hashlib
+
+    import httpx
+
+    for with_uuids in (True, False):
+        images = [data_url(random_png(44 + 6 * i, 52, 40 + i + 10 * with_uuids)) for i in range(3)]
+        parts = [image_part(images[i], hashlib.sha256(images[i].encode()).hexdigest() if with_uuids else None)
+                 for i in range(3)] + [image_part(images[0], hashlib.sha256(images[0].encode()).hexdigest()
+                                                  if with_uuids else None)]  # an item twice
+        request = {"model": model, "messages": [{"role": "user", "content": parts}], "stream": False}
+        response = httpx.post(f"{url}/v1/chat/completions", json=request,
+                              headers={"x-request-id": f"grouped-{uuid.uuid4().hex[:6]}"}, timeout=300)
+        step = f"grouped encoder request ({'a uuid per item' if with_uuids else 'no uuids'})"
+        if response.status_code != 200:
+            record(step, False, f"{response.status_code} {response.text[:200]}")
+            continue
+        params = response.json().get("ec_transfer_params") or {}
+        by_index = {index: mm_hash for mm_hash, entry in params.items() for index in entry.get("item_indices", [])}
+        body = chat_body(model, parts)
+        expected = [f.identifier for f in sorted(consumer.load(consumer.process(*consumer.parse(body)))[0],
+                                                 key=lambda feature: feature.mm_position.offset)]
+        matched = [by_index.get(index) for index in range(len(parts))]
+        if matched != expected:
+            record(step, False, f"item_indices map {matched} != vLLM's identifiers {expected}")
+            continue
+        named = "named" if all("modality" in entry for entry in params.values()) else "not named"
+        check_round_trip(consumer, url, body, f"{step}: item_indices match, modality {named}", expect_ids=expected)
+
+
+def other_version(consumer: Consumer, folder: Path, work: Path) -> None:
+    """A negative control of the one setting: a server told the other minor version identifies an RGB PNG with a
+    tRNS chunk otherwise, and the consumer misses it."""
+    import vllm
+
+    other = "0.32.0" if vllm.__version__.startswith("0.33") else "0.33.0"
+    storage = work / "ec-other-version"
+    body = chat_body(consumer.model, [image_part(data_url(random_png(66, 54, 31, transparency=(10, 20, 30))))])
+    with start_server(folder, storage, version=other) as server:
+        answers = fanout(server.url, body)
+    features, loaded = consumer.load(consumer.process(*consumer.parse(body)))
+    ours = answers[0][1]["encoder_cache"][0]["identifier"] if answers[0][0] == 200 else None
+    record(f"negative control: a server told vLLM {other} names a tRNS PNG otherwise, and this consumer misses it",
+           ours is not None and ours != features[0].identifier and not loaded,
+           f"ours {str(ours)[:12]}, vLLM's {features[0].identifier[:12]}, loaded {len(loaded)}")
 
 
 def concurrent(consumer: Consumer, url: str, storage: Path, model: str) -> None:
@@ -922,7 +1008,8 @@ def main() -> int:
             family_check(name, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nvLLM {vllm.__version__}: one row per family and modality (" +
+    print(f"\nvLLM {vllm.__version__} (the server told --ec-vllm-version {vllm.__version__}): one row per family and "
+          f"modality (" +
           "; ".join(modality_parts(m)[1] for m in ("image", "video", "audio")) + ")\n")
     print("| family | modality | vLLM processor | vLLM placeholder rows | rows we stored | identifiers match | "
           "rows bit-identical to native `/encode` of vLLM's decode | video rows against the model's own features "

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Build the side venv in which tools/compat/vllm_compat.py (and tools/reference/vllm_golden.py) run vLLM's own code
-# against this server. Never the project's venv: vLLM is not a dependency, and the install is several GB.
+# Build a side venv in which tools/compat/vllm_compat.py (and tools/reference/vllm_golden.py) run vLLM's own code
+# against this server, for vLLM 0.33.0 (the default) or another release this server speaks (0.32.0). Never the project's venv: vLLM is not a dependency, and the install is several GB.
 # vLLM is installed without its dependencies (its GPU kernels are not needed: `import vllm` works on a CPU
 # machine); then exactly what importing its hasher, media loader, chat parsing, multimodal processors and
 # ECExampleConnector asks for. Versions are the ones the checks were run with.
 #
-#   tools/compat/vllm_compat.sh [VENV]             # default VENV: .vllm-venv in the repository (gitignored)
+#   tools/compat/vllm_compat.sh [VERSION [VENV]]   # default 0.33.0 in .vllm-venv; another VERSION in
+#                                                   # .vllm-venv-VERSION (both gitignored)
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python tools/compat/vllm_compat.py      # runs the server from .venv
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python tools/reference/vllm_golden.py check
 #   VLLM_TARGET_DEVICE=cpu VLLM_HOST_IP=127.0.0.1 VENV/bin/python tools/compat/vllm_transport_compat.py
@@ -13,14 +14,16 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-VENV="${1:-$ROOT/.vllm-venv}"
+VERSION="${1:-0.33.0}"
+if [ "$VERSION" = 0.33.0 ]; then DEFAULT_VENV="$ROOT/.vllm-venv"; else DEFAULT_VENV="$ROOT/.vllm-venv-$VERSION"; fi
+VENV="${2:-$DEFAULT_VENV}"
 PYTHON="${PYTHON:-python3.11}"
 PIP=("$VENV/bin/pip" install --disable-pip-version-check -q)
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "${PIP[@]}" torch==2.14.1 torchvision==0.29.1
-"${PIP[@]}" --no-deps vllm==0.33.0
-# What vLLM 0.33.0's modules above import, at versions inside its pins (transformers <5.21).
+"${PIP[@]}" --no-deps "vllm==$VERSION"
+# What vLLM's modules above import, at versions inside the pins of 0.32.0 and 0.33.0 (transformers <5.21).
 "${PIP[@]}" transformers==5.20.2 tokenizers huggingface_hub "safetensors>=0.6.2" blake3 pybase64 cachetools \
     regex psutil msgspec cbor2 cloudpickle "pydantic>=2.12" "fastapi<0.137" "openai>=2.25" partial-json-parser \
     py-cpuinfo einops sentencepiece tiktoken "mistral_common[image]>=1.11.6" opencv-python-headless pyyaml \
@@ -44,6 +47,9 @@ VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
 import vllm
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.media.connector import MediaConnector
-from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+try:
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+except ImportError:  # 0.32
+    from vllm.renderers.chat_utils import parse_chat_messages
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 print('vLLM', vllm.__version__, 'ready in $VENV')"

@@ -215,7 +215,7 @@ def metadata_against_vllm() -> None:
     from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser
     from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalDataParser
 
-    from encode_server.fronts.vllm.mooncake_connector import PLACEHOLDER_FIELDS
+    from encode_server.fronts.vllm.connectors.base import PLACEHOLDER_FIELDS
 
     parsers = {"qwen2_vl": Qwen2VLMultiModalDataParser, "qwen2_5_vl": Qwen2VLMultiModalDataParser,
                "qwen3_vl": Qwen3VLMultiModalDataParser, "qwen2_5_omni": Qwen2_5OmniThinkerMultiModalDataParser,
@@ -243,8 +243,11 @@ def run(args) -> None:
     consumer = VllmConsumer(ranks=2)
     # One request per forward: rows batched with other requests' differ from a lone forward's in the last bits
     # (float32 on the CPU), and every case here compares bits with a lone `/encode`.
+    import vllm
+
     server = ServerProcess("--model", "tiny-qwen2.5-vl", "--ec-transfer-config", config, "--cache-bytes", "0",
-                           "--enable-dynamic-batching", "false", startup_timeout=300, python=args.server_python)
+                           "--ec-vllm-version", vllm.__version__, "--enable-dynamic-batching", "false",
+                           startup_timeout=300, python=args.server_python)
     try:
         with server:
             first, second = png(64, 48, 1), png(40, 56, 2)
@@ -353,8 +356,11 @@ def audio_case(args, config: str) -> None:
     clip = (ROOT / "tests" / "golden" / "vllm-audio" / "mono16k.wav").read_bytes()
     consumer = VllmConsumer(ranks=1)
     try:
+        import vllm
+
         with ServerProcess("--model", "tiny-qwen2-audio", "--ec-transfer-config", config, "--cache-bytes", "0",
-                           startup_timeout=300, python=args.server_python) as server:
+                           "--ec-vllm-version", vllm.__version__, startup_timeout=300,
+                           python=args.server_python) as server:
             resampler = Resampler()
             try:
                 audio = decode_vllm_audio(clip, 16000, 60.0, "x", resampler)

@@ -21,6 +21,11 @@ through each of the loaders this producer implements (`opencv`, `qwen2_vl`, `qwe
 the metadata, and the identifiers. Audio (a 16 kHz mono WAV, a 44.1 kHz stereo FLAC, a 22.05 kHz WAV):
 loaded with `AudioMediaIO`, resampled to 16 kHz by the parser (torchaudio, as vLLM does), identified;
 the waveform's SHA-256 and length, and the identifiers.
+
+`versions` (run once by each side venv, `tools/compat/vllm_compat.sh [VERSION]`) adds that vLLM's decode and
+identifiers of the images in `tests/golden/vllm-images-versions/` (those the versions decode differently: an RGB
+PNG with a tRNS chunk) to `tests/golden/vllm-versions.json`, keyed by the version;
+`tests/fronts/test_vllm_versions.py` checks `--ec-vllm-version`'s choices against every version there.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ AUDIO = ROOT / "tests" / "golden" / "vllm-audio"
 VIDEO_LOADERS = ("opencv", "qwen2_vl", "qwen3_vl", "opencv_dynamic")
 AUDIO_RATE = 16000
 OUTPUT = ROOT / "tests" / "golden" / "vllm-0.33.0-identifiers.json"
+VERSION_IMAGES = ROOT / "tests" / "golden" / "vllm-images-versions"
+VERSIONS_OUTPUT = ROOT / "tests" / "golden" / "vllm-versions.json"
 MODEL_IDS = ("Qwen/Qwen2.5-VL-3B-Instruct", "/models/Qwen3-VL-8B-Instruct")
 ALGORITHMS = ("blake3", "sha256", "sha512")
 UUID = "user-item-0001"
@@ -206,9 +213,39 @@ def vllm_reference(images: dict[str, bytes]) -> dict:
     return result
 
 
+def make_version_images() -> dict[str, bytes]:
+    """Images vLLM 0.32 and 0.33 decode differently: an RGB PNG whose tRNS chunk names one colour transparent."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(7).integers(0, 256, (12, 10, 3), dtype=np.uint8)
+    pixels[:6, :5] = (10, 20, 30)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, "PNG", transparency=(10, 20, 30))
+    return {"rgb_trns.png": buffer.getvalue()}
+
+
+def versions() -> int:
+    """This vLLM's reference for the images the versions decode differently, merged into VERSIONS_OUTPUT."""
+    import vllm
+
+    VERSION_IMAGES.mkdir(parents=True, exist_ok=True)
+    for name, data in make_version_images().items():
+        if not (VERSION_IMAGES / name).exists():
+            (VERSION_IMAGES / name).write_bytes(data)
+    images = {path.name: path.read_bytes() for path in sorted(VERSION_IMAGES.iterdir())}
+    stored = json.loads(VERSIONS_OUTPUT.read_text()) if VERSIONS_OUTPUT.exists() else {}
+    stored[vllm.__version__] = vllm_reference(images)
+    VERSIONS_OUTPUT.write_text(json.dumps(dict(sorted(stored.items())), indent=1) + "\n")
+    print(f"wrote vLLM {vllm.__version__}'s reference for {len(images)} images to {VERSIONS_OUTPUT.relative_to(ROOT)}")
+    return 0
+
+
 def main() -> int:
     command = sys.argv[1] if len(sys.argv) > 1 else "check"
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if command == "versions":
+        return versions()
     if command == "generate":
         for folder, made in ((IMAGES, make_images()), (VIDEOS, make_videos()), (AUDIO, make_audio())):
             folder.mkdir(parents=True, exist_ok=True)

@@ -18,15 +18,12 @@ from fastapi.responses import JSONResponse, Response
 
 from encode_server.admission.schemas import EncodeRequest, ReceiveUrlRequest, request_id_of
 from encode_server.fronts.base import Front
-from encode_server.fronts.bodies import parse_json, read_limited, small_json
+from encode_server.fronts.bodies import parse_json_body, read_limited, small_json
 from encode_server.records import EncodeError, error_body
 from encode_server.service import EncoderService
 
 log = logging.getLogger("encode_server.fronts.native.routes")
 
-#: Bodies above this size are JSON-decoded in a worker thread: parsing a large body would hold the event loop
-#: (every other request waits), while for a small one the thread hop costs more than the parsing.
-_INLINE_JSON_LIMIT = 256 << 10
 #: Status for a request whose client went away before its answer (nginx's convention).
 CLIENT_CLOSED = 499
 
@@ -40,7 +37,7 @@ async def answer_encode(service: EncoderService, limit: int, declared_length: st
     hung_up = False
     try:
         body = await read_limited(declared_length, chunks, limit)
-        payload = await asyncio.to_thread(parse_json, body) if len(body) > _INLINE_JSON_LIMIT else parse_json(body)
+        payload = await parse_json_body(body)
         # The work runs in this task and a watcher cancels it when the client hangs up: one task per request
         # besides this one, where racing two tasks cost two and a waiter.
         task = asyncio.current_task()

@@ -1,4 +1,4 @@
-"""Images decoded as vLLM 0.33 decodes them, for the vLLM producer (`--ec-storage`).
+"""Images decoded as vLLM decodes them, for the vLLM producer.
 
 vLLM's consumer runs its own processor on the pixels its media loader gives it and reads our rows in
 place of its encoder's, so ours must come from the same pixels. Its loader
@@ -8,14 +8,16 @@ place of its encoder's, so ours must come from the same pixels. Its loader
 - turns the image upright by its EXIF orientation (`ImageOps.exif_transpose`; a failure there is
   ignored and the image is kept as stored);
 - converts to RGB: an image with transparency (RGBA, LA, PA, or a `transparency` entry such as a PNG
-  tRNS chunk) is composited on a white background, any other mode is `convert("RGB")`ed;
+  tRNS chunk) is composited on a white background, any other mode is `convert("RGB")`ed; vLLM 0.32 keeps an
+  image that is RGB already as it is, a tRNS chunk included (`versions.py`);
 - and, when that conversion made a new image, hashes `{"image_mode": "RGB", "rgba_background_color":
   (255, 255, 255)}` with the original bytes (`identifiers.EncodedImage.io_config`).
 
-The native `/encode` decode (`decoding.decode_image`) drops the alpha channel instead, so a transparent
-image gives other pixels there; `VllmImage.native_equivalent` says when the two decodes agree (then the
-original bytes can go through the native path as they are) and `VllmImage.png` gives lossless bytes of
-vLLM's pixels otherwise. `data:` URLs are read as vLLM reads them (base64 only, strictly).
+The producer encodes these pixels as they are. The native `/encode` decode (`decoding.decode_image`) drops the
+alpha channel instead, so a transparent image gives other pixels there: where the item is decoded again in
+another process (the preprocessing pool, other ranks), `VllmImage.file_bytes` gives the original bytes when the
+two decodes agree (`native_equivalent`) and a lossless PNG of vLLM's pixels otherwise. `data:` URLs are read
+as vLLM reads them (base64 only, strictly).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class VllmImage:
         self.image.save(buffer, "PNG", compress_level=1)
         return buffer.getvalue()
 
+    def file_bytes(self, original: bytes) -> bytes:
+        """Bytes the native decode reads back as exactly these pixels: `original` where the decodes agree."""
+        return original if self.native_equivalent else self.png()
+
 
 def data_url_payload(url: str, location: str) -> bytes:
     """The bytes of a `data:[<mediatype>][;<param>=<value>]*;base64,<data>` URL, as vLLM's
@@ -79,9 +85,11 @@ def has_transparency(image: Image.Image) -> bool:
     return image.mode in ("RGBA", "LA", "PA") or "transparency" in getattr(image, "info", {})
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image, composite_rgb: bool = True) -> Image.Image:
     """vLLM's `convert_image_mode(image, "RGB")`: transparency composited on white; the same object back
-    when it is RGB already."""
+    when it is RGB already (and, `composite_rgb` False as in vLLM 0.32, an RGB image with a tRNS chunk too)."""
+    if image.mode == IMAGE_MODE and not composite_rgb:
+        return image
     if has_transparency(image):
         if image.mode != "RGBA":
             image = image.convert("RGBA")
@@ -93,8 +101,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert(IMAGE_MODE)
 
 
-def decode_vllm_image(data: bytes, max_pixels: int, location: str) -> VllmImage:
-    """`data` decoded as vLLM's `ImageMediaIO.load_bytes` decodes it, within `max_pixels`."""
+def decode_vllm_image(data: bytes, max_pixels: int, location: str, composite_rgb: bool = True) -> VllmImage:
+    """`data` decoded as vLLM's `ImageMediaIO.load_bytes` decodes it, within `max_pixels`; `composite_rgb`: an
+    RGB image's tRNS chunk is composited on white (vLLM 0.33; 0.32 keeps the image as it is)."""
     if not data:
         raise MediaError(location, "empty image data")
     try:
@@ -115,11 +124,19 @@ def decode_vllm_image(data: bytes, max_pixels: int, location: str) -> VllmImage:
             image = ImageOps.exif_transpose(image)
             upright = True
         image.load()
-        converted = to_rgb(image)
+        converted = to_rgb(image, composite_rgb)
     except Exception as exc:  # Pillow raises OSError, SyntaxError (broken PNG chunks), ValueError, ...
         raise MediaError(location, f"cannot decode image: {exc}") from None
     changed = converted is not image
     io_config = {"image_mode": IMAGE_MODE, "rgba_background_color": BACKGROUND} if changed else None
     # The native decode (exif_transpose, then convert("RGB")) agrees unless vLLM composited transparency
     # or kept an image whose EXIF it could not apply.
-    return VllmImage(converted, io_config, native_equivalent=upright and not has_transparency(image))
+    native = upright and not (changed and has_transparency(image))
+    if "transparency" in converted.info:  # vLLM 0.32 kept an RGB image with a tRNS chunk as it is
+        # ...and its consumers' processors (transformers below 5.20, its pin) read those pixels as they are, where a
+        # newer `convert_to_rgb` composites an image whose info names a transparent colour: the encoder gets the
+        # pixels alone, and any other process a PNG of them without the chunk.
+        converted = converted.copy()
+        del converted.info["transparency"]
+        native = False
+    return VllmImage(converted, io_config, native_equivalent=native)

@@ -1,39 +1,38 @@
-"""The vLLM producer (`--ec-storage`): this server as the encoder instance ("E") of vLLM's EPD serving.
+"""The vLLM producer: this server as the encoder instance ("E") of vLLM's EPD serving, whichever connector hands
+the rows over.
 
 For each media item of a chat-completions body (`chat`: images, videos, audio clips), in order:
 
-1. a part with a `uuid` whose item is already stored is a hit, and nothing is fetched;
+1. a part with a `uuid` whose item the connector already keeps for its consumers (`Connector.held`: the shared
+   files) or the shared tier holds (`--cache-store`) is a hit, and nothing is fetched or decoded;
 2. the item's bytes (a `data:` URL's payload, or an http(s) URL's body through the URL guard);
-3. decoded as vLLM decodes it (`images`, `video`: the frames vLLM's loader for
-   this model samples, `audio`: the waveform at the model's rate) and identified as vLLM
+3. decoded once, as the consumers' vLLM decodes it (`images`, `video`: the frames vLLM's loader for this model
+   samples, `audio`: the waveform at the model's rate; `versions`: 0.32 or 0.33), and identified as vLLM
    identifies it (`identifiers`: the uuid, or the hash of the consumer's model id and the item);
-4. an identifier already stored is a hit (not encoded again, counted);
-5. the request's misses go through `EncoderService.encode_rows`, one job per modality: admission, the
-   scheduler (batched with every other request) and the engine, from what vLLM decodes (lossless PNGs
-   of its pixels and frames, a float WAV of its waveform);
-6. each item's rows are written to the storage (`example_connector`: atomically, within the bound).
+4. an identifier the connector keeps or the shared tier holds is a hit (not encoded again, counted);
+5. the request's misses go through `EncoderService.encode_identified`, one job per modality, as decoded and
+   under their identifiers (admission, the embedding cache, the scheduler, batched with every other request):
+   nothing is hashed or decoded a second time in this process (only where items are decoded again in other
+   processes, the preprocessing pool or other ranks, do they carry file bytes of vLLM's pixels);
+6. what was encoded is published to the shared tier under vLLM's key, whatever the connector.
 
-With `--cache-store`, an item the storage lacks is first asked of Mooncake Store under vLLM's own key
-(`cache.store_tier`, vLLM's namespace and identifier): a hit is written to the storage, not encoded;
-what is encoded is published there in the background, for vLLM encoders and other servers of the pool.
-
-The answer comes only once every item's file is in place; any bad item fails the whole request with a
-400 naming it before anything is encoded or written. An identifier already being encoded for another
-request is waited for, not encoded twice.
+The items (`connectors.base.ItemRows`: identifier, rows or the held count, layout, where they came from) go
+to the connector, which hands them over and writes the answer's `ec_transfer_params`. Any bad item fails the
+whole request with a 400 naming it before anything is encoded or handed over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-
-import torch
+import time
+from dataclasses import dataclass, replace
 
 from encode_server.cache.store_tier import StoreTier, row_widths, vllm_namespace
 from encode_server.fronts.vllm.audio import Resampler, decode_vllm_audio
 from encode_server.fronts.vllm.chat import ChatMediaPart
-from encode_server.fronts.vllm.example_connector import ECStorage, check_identifier
+from encode_server.fronts.vllm.connectors.base import PLACEHOLDER_FIELDS, Connector, ItemRows
+from encode_server.fronts.vllm.connectors.example import check_identifier
 from encode_server.fronts.vllm.identifiers import (
     EncodedImage,
     EncodedVideo,
@@ -42,6 +41,7 @@ from encode_server.fronts.vllm.identifiers import (
     video_identifier,
 )
 from encode_server.fronts.vllm.images import data_url_payload, decode_vllm_image
+from encode_server.fronts.vllm.versions import NEWEST, VllmVersion
 from encode_server.fronts.vllm.video import (
     UnsupportedVideoLoader,
     decode_vllm_jpeg_frames,
@@ -50,46 +50,25 @@ from encode_server.fronts.vllm.video import (
     video_processor_name,
 )
 from encode_server.media.decoding import MediaError
-from encode_server.media.loader import each_in_order
+from encode_server.media.loader import LoadedItem, each_in_order
 from encode_server.models.registry import family_named
-from encode_server.ops.settings import Settings
+from encode_server.ops.tracing import CURRENT as CURRENT_TRACE
 from encode_server.records import EncodeError
 from encode_server.service import EncoderService
 from processors.base import ItemLayout
+from processors.video_clip import VideoClip
 
 log = logging.getLogger("encode_server.fronts.vllm.producer")
 
 
 @dataclass(frozen=True)
-class StoredItem:
-    """One item of a request, in the storage: its identifier, its rows (None: a stored file whose header
-    could not be read) and whether it was there already."""
-
-    identifier: str
-    tokens: int | None
-    hit: bool
-
-
-@dataclass(frozen=True)
-class ItemRows:
-    """One item of a request, encoded: its identifier, modality, rows and layout (its grid)."""
+class _Decoded:
+    """An item decoded and identified here, not held anywhere yet: what goes to the encoder."""
 
     identifier: str
     modality: str
-    rows: torch.Tensor
-    layout: ItemLayout
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    identifier: str
-    hit: bool
-    rows: int | None = None  # a hit's rows, from its file's header
-    modality: str = "image"
-    # What goes through the native path: an image file or a PNG of vLLM's pixels; {"frames": [PNG, ...]} of
-    # the frames vLLM's loader sampled; a float WAV of vLLM's waveform.
-    encode_item: bytes | dict = b""
-    location: str = ""
+    loaded: LoadedItem
+    location: str
 
 
 def check_vllm_layout(adapter) -> None:
@@ -103,9 +82,10 @@ def check_vllm_layout(adapter) -> None:
         ratio = getattr(getattr(getattr(adapter, "model", None), "config", None), "vision_aspect_ratio",
                         "anyres_max_9")
         if ratio != "anyres_max_9":
-            raise ValueError(f"--ec-storage: this LLaVA-OneVision checkpoint says vision_aspect_ratio {ratio!r}, but "
-                             f"vLLM 0.33 lays out and counts its rows with 'anyres_max_9' whatever the checkpoint "
-                             f"says, so a vLLM consumer would refuse our rows; serve it without --ec-storage")
+            raise ValueError(f"the vLLM producer: this LLaVA-OneVision checkpoint says vision_aspect_ratio "
+                             f"{ratio!r}, but vLLM 0.33 lays out and counts its rows with 'anyres_max_9' whatever the "
+                             f"checkpoint says, so a vLLM consumer would refuse our rows; serve it without a vLLM "
+                             f"connector")
 
 
 #: (family, modality) pairs whose items vLLM 0.33 splits, samples or lays out otherwise than this server, so that
@@ -127,6 +107,11 @@ def vllm_layout_refusal(family: str, modality: str) -> str | None:
     return LAYOUT_REFUSALS.get((family, modality))
 
 
+def _with_layout(hit: ItemRows, layout: ItemLayout) -> ItemRows:
+    """A hit with the layout of the item decoded here, where the rows it holds are as many (else without)."""
+    return replace(hit, layout=layout) if layout.tokens == hit.rows_count else hit
+
+
 def _media_type(url: str) -> str:
     """The media type of a `data:` URL, as vLLM's `_load_data_url` reads it (lower-cased)."""
     spec = url[5:].partition(",")[0]
@@ -134,30 +119,28 @@ def _media_type(url: str) -> str:
 
 
 class VllmProducer:
-    """Stores items' rows where vLLM's `ECExampleConnector` consumers read them; see the module docstring."""
+    """Identifies, decodes once and encodes a request's media items as vLLM's consumers expect them; see the
+    module docstring."""
 
-    def __init__(self, service: EncoderService, storage: ECStorage | None, model_id: str, algorithm: str,
-                 video_processor: str | None = None, store: StoreTier | None = None) -> None:
+    def __init__(self, service: EncoderService, connector: Connector, model_id: str, algorithm: str,
+                 version: VllmVersion = NEWEST, video_processor: str | None = None,
+                 store: StoreTier | None = None) -> None:
         self.service = service
+        self.connector = connector
         self.shared = store  # the shared tier under vLLM's namespace (--cache-store), or None
-        self.storage = storage
         self.model_id = model_id
         self.algorithm = algorithm
+        self.version = version
         self.video_processor = video_processor
         self.resampler = Resampler()
-        self._inflight: dict[str, asyncio.Future[int]] = {}
-        if storage is not None:
-            service.metrics.watch_ec_storage(storage)
 
     @classmethod
-    def from_settings(cls, service: EncoderService, settings: Settings) -> VllmProducer:
-        """The producer of `--ec-storage` (with its storage), or of a pushing connector (without one)."""
+    def from_settings(cls, service: EncoderService, settings, connector: Connector,
+                      version: VllmVersion) -> VllmProducer:
+        """The producer for the served model, handing rows to `connector`."""
         check_vllm_layout(service.adapter)
-        storage = None
-        if settings.ec_storage_folder:
-            storage = ECStorage(settings.ec_storage_folder, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
-            log.info("vLLM producer: storage %s (bound %s bytes), identifiers for model %r with %s", storage.root,
-                     settings.ec_storage_bytes or "no", settings.ec_identifier_model, settings.ec_hash_algorithm)
+        log.info("vLLM producer: %s, identifiers of vLLM %s for model %r with %s", connector.name, version.text,
+                 settings.ec_identifier_model, settings.ec_hash_algorithm)
         video_processor = None
         if service.adapter.supports("video"):
             family = family_named(service.adapter.info.family)
@@ -168,11 +151,16 @@ class VllmProducer:
             store = StoreTier(service.store, vllm_namespace(settings, service.adapter),
                               row_widths(service.adapter.info))
             log.info("vLLM producer: shared tier under %s", store.namespace)
-        return cls(service, storage, settings.ec_identifier_model, settings.ec_hash_algorithm, video_processor,
-                   store)
+        return cls(service, connector, settings.ec_identifier_model, settings.ec_hash_algorithm, version,
+                   video_processor, store)
 
     def close(self) -> None:
         self.resampler.close()
+
+    @staticmethod
+    def _key(identifier: str) -> tuple[str, str]:
+        """An item's key in the embedding cache: vLLM's identifier, apart from the native items' keys."""
+        return ("vllm", identifier)
 
     def _check_modality(self, part: ChatMediaPart, req_id: str) -> None:
         info = self.service.adapter.info
@@ -188,47 +176,69 @@ class VllmProducer:
             except UnsupportedVideoLoader as exc:
                 raise EncodeError(400, f"{part.location}: {exc}", req_id) from None
 
-    async def store(self, parts: list[ChatMediaPart], req_id: str, priority: int = 0) -> list[StoredItem]:
-        """Every part's rows in the storage (encoded unless there already); `EncodeError` on failure."""
+    async def rows(self, parts: list[ChatMediaPart], req_id: str, priority: int = 0) -> list[ItemRows]:
+        """Every part's identifier and rows (or the count the connector holds), in order: hits taken where they
+        are, the misses encoded (an item named twice is encoded once) and published to the shared tier.
+        `EncodeError` on failure."""
         for part in parts:
             self._check_modality(part, req_id)
+        started = time.perf_counter()
         prepared = await each_in_order([self._prepare(part, req_id) for part in parts])
-        owned: dict[str, tuple[asyncio.Future[int], _Prepared]] = {}
-        waited: dict[str, asyncio.Future[int]] = {}
+        trace = CURRENT_TRACE.get()  # None unless this request is traced (ops.tracing)
+        if trace is not None:  # fetched, decoded and identified, each item once
+            trace.stage("decode", started, time.perf_counter(), {"encoder.req_id": req_id, "encoder.items": len(parts)})
+        misses: dict[str, _Decoded] = {}
         for item in prepared:
-            if item.hit or item.identifier in owned or item.identifier in waited:
-                continue
-            if item.identifier in self._inflight:
-                waited[item.identifier] = self._inflight[item.identifier]
-            else:
-                future = asyncio.get_running_loop().create_future()
-                self._inflight[item.identifier] = future
-                owned[item.identifier] = (future, item)
-        if owned:
-            await self._encode_and_write(owned, req_id, priority)
-        tokens = {identifier: future.result() for identifier, (future, _) in owned.items()}
-        for identifier, future in waited.items():
-            tokens[identifier] = await asyncio.shield(future)
-        return [StoredItem(item.identifier, item.rows if item.hit else tokens.get(item.identifier), item.hit)
-                for item in prepared]
+            if isinstance(item, _Decoded):
+                misses.setdefault(item.identifier, item)
+        by_modality: dict[str, list[_Decoded]] = {}
+        for item in misses.values():
+            by_modality.setdefault(item.modality, []).append(item)
+        results = await asyncio.gather(*(self._encode(members, req_id if len(by_modality) == 1 else
+                                                      f"{req_id}.{modality}", priority)
+                                         for modality, members in by_modality.items()), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        encoded = {item.identifier: item for result in results for item in result}
+        return [encoded[item.identifier] if isinstance(item, _Decoded) else item for item in prepared]
 
-    async def _prepare(self, part: ChatMediaPart, req_id: str) -> _Prepared:
-        """Fetch, decode and identify one item, and look it up in the storage."""
+    async def _encode(self, items: list[_Decoded], job_id: str, priority: int) -> list[ItemRows]:
+        """One modality's misses as one job; each published to the shared tier."""
+        modality = items[0].modality
+        try:
+            done = await self.service.encode_identified(job_id, modality,
+                                                        [self._key(item.identifier) for item in items],
+                                                        [item.loaded for item in items], priority)
+        except EncodeError as error:  # name the chat part, not the internal job's item
+            if len(items) == 1:
+                error.message = error.message.replace("mm_items[0]", items[0].location)
+            raise
+        if self.shared is not None:
+            for item, rows in zip(items, done):
+                self.shared.publish(item.identifier, rows.rows)
+        return [ItemRows(item.identifier, modality, rows.rows, rows.layout) for item, rows in zip(items, done)]
+
+    async def _prepare(self, part: ChatMediaPart, req_id: str) -> ItemRows | _Decoded:
+        """Fetch, decode and identify one item; a hit where the connector or the shared tier holds it. A hit is
+        still decoded where its URL is given and the consumer's model sizes the item by placeholder metadata: the
+        answer then carries that metadata, so the proxy can send the consumer the item by its identifier (without
+        it, vLLM's proxy sends the media itself, and a consumer that hashes it may miss)."""
         pool = self.service.media_pool
         loop = asyncio.get_running_loop()
         try:
+            hit = None
             if part.uuid is not None:
                 check_identifier(part.uuid)
-                if self.storage is not None and await loop.run_in_executor(pool, self.storage.lookup, part.uuid):
-                    return _Prepared(part.uuid, hit=True,
-                                     rows=await loop.run_in_executor(pool, self.storage.stored_rows, part.uuid))
-                shared = await self._from_store(part.uuid, part.modality)
-                if shared is not None:
-                    return shared
-                if part.url is None:
-                    where = "stored" if self.storage is not None else "encoded by this server"
-                    raise MediaError(part.location, f"no item is {where} under uuid {part.uuid!r} and the part "
-                                                    f"has no URL to encode it from")
+                held = await loop.run_in_executor(pool, self.connector.held, part.uuid)
+                hit = ItemRows(part.uuid, part.modality, None, None, "held", held) if held is not None else \
+                    await self._from_store(part.uuid, part.modality)
+                if hit is not None and (part.url is None or not self._sized_by_metadata(part.modality)):
+                    return hit
+                if hit is None and part.url is None:
+                    raise MediaError(part.location, f"no item is held by the {self.connector.name} or the shared "
+                                                    f"tier under uuid {part.uuid!r} and the part has no URL to "
+                                                    f"encode it from")
             url = part.url or ""
             if url[:5].lower() == "data:":
                 data = None
@@ -237,30 +247,40 @@ class VllmProducer:
             else:
                 raise MediaError(part.location, "the URL must be an http(s) or data: URL")
             prepared = await loop.run_in_executor(pool, self._identify, part, data)
-            if not prepared.hit and part.uuid is None:
-                shared = await self._from_store(prepared.identifier, part.modality)
-                if shared is not None:
-                    return shared
+            if hit is not None:
+                return _with_layout(hit, prepared.loaded.layout)
+            if part.uuid is None:
+                held = await loop.run_in_executor(pool, self.connector.held, prepared.identifier)
+                if held is not None:
+                    return _with_layout(ItemRows(prepared.identifier, part.modality, None, None, "held", held),
+                                        prepared.loaded.layout)
+                if self._key(prepared.identifier) not in self.service.cache:  # the local tier before the shared one
+                    shared = await self._from_store(prepared.identifier, part.modality)
+                    if shared is not None:
+                        return _with_layout(shared, prepared.loaded.layout)
             return prepared
         except MediaError as exc:
             raise EncodeError(400, str(exc), req_id) from None
         except ValueError as exc:  # an identifier that cannot name a folder
             raise EncodeError(400, f"{part.location}.uuid: {exc}", req_id) from None
 
-    async def _from_store(self, identifier: str, modality: str) -> _Prepared | None:
-        """An item the shared tier holds, written to the storage as if encoded here; None: not there."""
-        if self.shared is None or identifier in self._inflight:
+    def _sized_by_metadata(self, modality: str) -> bool:
+        """Whether the consumer's model sizes `modality`'s items by placeholder metadata the answer can carry."""
+        return (self.service.adapter.info.family, modality) in PLACEHOLDER_FIELDS
+
+    async def _from_store(self, identifier: str, modality: str) -> ItemRows | None:
+        """An item the shared tier holds under vLLM's key; None: not there."""
+        if self.shared is None:
             return None
         rows = await self.shared.lookup_rows(modality, identifier)
-        if rows is None:
-            return None
-        await asyncio.get_running_loop().run_in_executor(self.service.media_pool, self.storage.write, identifier, rows)
-        return _Prepared(identifier, hit=True, rows=int(rows.shape[0]))
+        return None if rows is None else ItemRows(identifier, modality, rows, None, "store")
 
-    def _identify(self, part: ChatMediaPart, data: bytes | None) -> _Prepared:
-        """In a media thread: decode as vLLM does, hash, look up."""
+    def _identify(self, part: ChatMediaPart, data: bytes | None) -> _Decoded:
+        """In a media thread: decode as vLLM does, hash, and describe."""
         settings = self.service.settings
+        limits = self.service.media.limits
         url = part.url or ""
+        with_bytes = self.service.decodes_elsewhere
         if part.modality == "video":
             if data is None and _media_type(url) == "video/jpeg":  # a list of JPEG frames
                 data_url_payload(url.partition(",")[0] + ",", part.location)  # vLLM's checks: base64 only
@@ -268,105 +288,31 @@ class VllmProducer:
             else:
                 data = data_url_payload(url, part.location) if data is None else data
                 video = decode_vllm_video(data, loader_for(self.video_processor), settings.max_image_pixels,
-                                          settings.max_video_frames, part.location)
+                                          settings.max_video_frames, part.location,
+                                          self.version.counts_frames_by_demuxing)
             identifier = video_identifier(self.algorithm, self.model_id,
                                           EncodedVideo(video.original_bytes, video.frames, video.metadata), part.uuid)
-            encode = lambda: {"frames": video.png_frames()}  # noqa: E731
+            decode = lambda: VideoClip(video.images(), limits.video_fps, range(len(video.frames)))  # noqa: E731
+            raw = video.png_frames if with_bytes else list
         elif part.modality == "audio":
             data = data_url_payload(url, part.location) if data is None else data
-            rate = self.service.adapter.processor.sampling_rate
-            audio = decode_vllm_audio(data, rate, settings.max_audio_seconds, part.location, self.resampler)
+            audio = decode_vllm_audio(data, limits.audio_sample_rate, settings.max_audio_seconds, part.location,
+                                      self.resampler)
             identifier = audio_identifier(self.algorithm, self.model_id, audio.samples, part.uuid)
-            encode = audio.wav
+            decode = lambda: audio.samples.astype("float32", copy=False)  # noqa: E731
+            raw = audio.wav if with_bytes else bytes
         else:
             data = data_url_payload(url, part.location) if data is None else data
-            image = decode_vllm_image(data, settings.max_image_pixels, part.location)
+            image = decode_vllm_image(data, settings.max_image_pixels, part.location,
+                                      self.version.composites_rgb_transparency)
             identifier = image_identifier(self.algorithm, self.model_id, EncodedImage(data, image.io_config),
                                           part.uuid)
-            encode = (lambda: data) if image.native_equivalent else image.png  # noqa: E731
+            decode = lambda: image.image  # noqa: E731
+            raw = (lambda: image.file_bytes(data)) if with_bytes else bytes  # noqa: E731
         check_identifier(identifier)
-        if part.uuid is None and self.storage is not None and self.storage.lookup(identifier):
-            return _Prepared(identifier, hit=True, rows=self.storage.stored_rows(identifier))
-        return _Prepared(identifier, hit=False, modality=part.modality, encode_item=encode(), location=part.location)
-
-    async def _encode_and_write(self, owned: dict[str, tuple[asyncio.Future[int], _Prepared]], req_id: str,
-                                priority: int) -> None:
-        """Encode the request's misses (one job per modality), write each item's rows, and settle their futures."""
-        identifiers = list(owned)
+        decoded = decode()
         try:
-            by_modality: dict[str, list[str]] = {}
-            for identifier in identifiers:
-                by_modality.setdefault(owned[identifier][1].modality, []).append(identifier)
-            results = await asyncio.gather(*(self._encode_modality(owned, modality, members, req_id, priority)
-                                             for modality, members in by_modality.items()),
-                                           return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            rows = {identifier: piece for result in results for identifier, piece, _ in result}
-            pieces = [rows[identifier] for identifier in identifiers]
-            await asyncio.get_running_loop().run_in_executor(
-                self.service.media_pool, self._write_all, list(zip(identifiers, pieces)))
-        except BaseException as exc:
-            error = exc if isinstance(exc, EncodeError) else EncodeError(500, f"storing the rows failed: {exc}",
-                                                                         req_id)
-            for identifier in identifiers:
-                future = owned[identifier][0]
-                if not future.done():
-                    future.set_exception(error)
-                    future.exception()  # retrieved: waiters re-raise it, nobody else need
-                self._inflight.pop(identifier, None)
-            if isinstance(exc, EncodeError):
-                raise
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
-                raise
-            log.exception("vLLM producer: storing %d items failed", len(identifiers))
-            raise error from None
-        for identifier, rows in zip(identifiers, pieces):
-            if self.shared is not None:
-                self.shared.publish(identifier, rows)
-            owned[identifier][0].set_result(int(rows.shape[0]))
-            self._inflight.pop(identifier, None)
-
-    async def _encode_modality(self, owned: dict[str, tuple[asyncio.Future[int] | None, _Prepared]], modality: str,
-                               identifiers: list[str], req_id: str, priority: int,
-                               ) -> list[tuple[str, torch.Tensor, ItemLayout]]:
-        """One modality's misses as one job; each item's rows and layout."""
-        job_id = req_id if len(owned) == len(identifiers) else f"{req_id}.{modality}"
-        try:
-            part = await self.service.encode_rows(job_id, modality, [owned[i][1].encode_item for i in identifiers],
-                                                  priority)
-        except EncodeError as error:  # name the chat part, not the internal job's item
-            for index, identifier in enumerate(identifiers):
-                error.message = error.message.replace(f"mm_items[{index}]", owned[identifier][1].location)
-            raise
-        pieces, offset = [], 0
-        for layout in part.layouts:
-            pieces.append(part.embedding[offset:offset + layout.tokens])
-            offset += layout.tokens
-        return list(zip(identifiers, pieces, part.layouts))
-
-    async def rows(self, parts: list[ChatMediaPart], req_id: str, priority: int = 0) -> list[ItemRows]:
-        """Every part's identifier, rows and layout, encoded through the scheduler (an item named twice is
-        encoded once; repeats across requests are the embedding cache's): the source of the pushing
-        connectors, which keep no storage of their own. `EncodeError` on failure."""
-        for part in parts:
-            self._check_modality(part, req_id)
-        prepared = await each_in_order([self._prepare(part, req_id) for part in parts])
-        unique: dict[str, tuple[None, _Prepared]] = {}
-        for item in prepared:
-            unique.setdefault(item.identifier, (None, item))
-        by_modality: dict[str, list[str]] = {}
-        for identifier, (_, item) in unique.items():
-            by_modality.setdefault(item.modality, []).append(identifier)
-        results = await asyncio.gather(*(self._encode_modality(unique, modality, members, req_id, priority)
-                                         for modality, members in by_modality.items()), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        encoded = {identifier: (rows, layout) for result in results for identifier, rows, layout in result}
-        return [ItemRows(item.identifier, item.modality, *encoded[item.identifier]) for item in prepared]
-
-    def _write_all(self, items: list[tuple[str, object]]) -> None:
-        for identifier, rows in items:
-            self.storage.write(identifier, rows)
+            layout = self.service.adapter.processor.item_layout(part.modality, decoded)
+        except ValueError as exc:  # encode_server.models.ItemError is a ValueError
+            raise MediaError(part.location, str(exc)) from None
+        return _Decoded(identifier, part.modality, LoadedItem(decoded, layout, raw()), part.location)

@@ -1,4 +1,4 @@
-"""Videos decoded as vLLM 0.33 decodes them, for the vLLM producer (`--ec-storage`).
+"""Videos decoded as vLLM 0.32 and 0.33 decode them (`versions.py`: where the two differ), for the vLLM producer.
 
 vLLM's consumer runs its processor on the frames its media loader samples and reads our rows in place
 of its encoder's, so ours must come from the same frames, and be filed under the identifier its hasher
@@ -79,6 +79,12 @@ class VllmVideo:
     frames: np.ndarray  # [T, H, W, 3] uint8
     metadata: dict[str, Any]
     original_bytes: bytes
+
+    def images(self) -> list:
+        """Each frame as an RGB image, as the native decode gives a video's frames."""
+        from PIL import Image
+
+        return [Image.fromarray(frame) for frame in self.frames]
 
     def png_frames(self) -> list[bytes]:
         """Each frame as a lossless PNG, for the native path's `{"frames": [...]}` form."""
@@ -220,11 +226,16 @@ class _Capture:
         self.capture.release()
 
 
-def _source_metadata(cv2, data: bytes, location: str) -> tuple[int, float, float]:
-    """vLLM's `OpenCVVideoBackendMixin.get_video_metadata`: frame count, rate and duration."""
+def _source_metadata(cv2, data: bytes, location: str, demux_count: bool = True) -> tuple[int, float, float]:
+    """vLLM's `OpenCVVideoBackendMixin.get_video_metadata`: frame count, rate and duration (`demux_count` False:
+    vLLM 0.32's, which cannot count a stream whose header gives no frame count)."""
     with _Capture(cv2, data, location) as capture:
         total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
         fps = capture.get(cv2.CAP_PROP_FPS)
+        if total <= 0 and not demux_count:
+            raise MediaError(location, "the video's header gives no frame count (a streamed WebM/MKV or raw H.264), "
+                                       "which vLLM 0.32's loader cannot sample (0.33 counts the frames by demuxing): "
+                                       "send an MP4 or AVI, or run consumers of vLLM 0.33")
         if total <= 0:  # streamed WebM/MKV, raw H.264: count by demuxing
             with _Capture(cv2, data, location, cv2.CAP_PROP_FORMAT, -1) as demux:
                 total = 0
@@ -242,21 +253,24 @@ def _source_metadata(cv2, data: bytes, location: str) -> tuple[int, float, float
         return total, fps, total / fps if fps > 0 else 0
 
 
-def decode_vllm_video(data: bytes, loader: str, max_pixels: int, max_frames: int, location: str) -> VllmVideo:
-    """A video file's frames and metadata as vLLM's loader `loader` returns them (OpenCV, no frame recovery)."""
+def decode_vllm_video(data: bytes, loader: str, max_pixels: int, max_frames: int, location: str,
+                      demux_count: bool = True) -> VllmVideo:
+    """A video file's frames and metadata as vLLM's loader `loader` returns them (OpenCV, no frame recovery);
+    `demux_count` False: as vLLM 0.32's loader reads the frame count (`versions.py`)."""
     if not data:
         raise MediaError(location, "empty video data")
     cv2 = _cv2(location)
     with _Capture(cv2, data, location) as capture:
-        return _read(cv2, capture, data, loader, max_pixels, max_frames, location)
+        return _read(cv2, capture, data, loader, max_pixels, max_frames, location, demux_count)
 
 
-def _read(cv2, capture, data: bytes, loader: str, max_pixels: int, max_frames: int, location: str) -> VllmVideo:
+def _read(cv2, capture, data: bytes, loader: str, max_pixels: int, max_frames: int, location: str,
+          demux_count: bool = True) -> VllmVideo:
     width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
     if width * height > max_pixels:
         raise MediaError(location, f"video frames of {width}x{height} pixels are above the limit of {max_pixels} "
                                    f"(--max-image-pixels)")
-    total, fps, duration = _prepare_source(loader, *_source_metadata(cv2, data, location))
+    total, fps, duration = _prepare_source(loader, *_source_metadata(cv2, data, location, demux_count))
     try:
         wanted = frames_to_sample(loader, total, fps, duration)
     except (ValueError, ZeroDivisionError) as exc:

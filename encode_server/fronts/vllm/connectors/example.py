@@ -1,10 +1,13 @@
-"""The encoder-cache storage that vLLM's `ECExampleConnector` reads, written atomically and bounded.
+"""vLLM's `ECExampleConnector`, producer role: the encoder-cache files its consumers read, written atomically and
+bounded (`--ec-storage`, or the transfer config's `shared_storage_path`).
 
-Layout (vLLM 0.33, `distributed/ec_transfer/ec_connector/example_connector.py`): each item lives at
+Layout (vLLM 0.32 and 0.33, `distributed/ec_transfer/ec_connector/example_connector.py`): each item lives at
 `{root}/{identifier}/encoder_cache.safetensors`, one tensor under the key `"ec_cache"`: the item's rows.
 A consumer's scheduler asks whether that file exists (`has_cache_item`); its worker then loads it in
 place of running its own encoder. So a file must never be seen half-written: each is written to a
-temporary name in the item's folder, flushed to disk, and renamed into place (`os.replace`).
+temporary name in the item's folder, flushed to disk, and renamed into place (`os.replace`). A 0.32 consumer's
+lookup creates the item's folder whether or not the file is there: an empty folder is a miss, and a write goes
+into it as into a new one.
 
 vLLM's own producer never deletes anything. This one keeps the storage within `max_bytes` (0: no
 bound): beyond it, the items least recently written or hit are deleted, except those written or hit
@@ -13,11 +16,13 @@ age). Files already there at start-up (ours from before a restart, or vLLM's own
 counted and ordered by their modification time, which a hit refreshes. Several servers may share one
 storage; each bounds the files it wrote, hit or found.
 
-Thread-safe: the service calls it from worker threads (file I/O never runs on the event loop).
+Thread-safe: the service calls it from worker threads (file I/O never runs on the event loop). The answer's
+`ec_transfer_params` are vLLM's producer's: each identifier's `item_indices` and placeholder `metadata`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -27,12 +32,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-log = logging.getLogger("encode_server.fronts.vllm.example_connector")
+from encode_server.fronts.vllm.connectors.base import Connector, ItemRows, transfer_params
+from encode_server.fronts.vllm.versions import VllmVersion
+
+log = logging.getLogger("encode_server.fronts.vllm.connectors.example")
 
 #: The file name and tensor key vLLM's ECExampleConnector reads.
 FILE_NAME = "encoder_cache.safetensors"
@@ -65,7 +75,7 @@ def check_identifier(identifier: str) -> str:
     return identifier
 
 
-class ECStorage:
+class SharedStorage:
     """Items' rows in vLLM's EC storage layout, within a bound; see the module docstring."""
 
     def __init__(self, root: str | os.PathLike, max_bytes: int = 0, min_age_s: float = 600.0,
@@ -196,3 +206,47 @@ class ECStorage:
         if victims:
             log.debug("EC storage: evicted %d items, %d bytes held", len(victims), self._bytes)
         return len(victims)
+
+
+class ECExampleConnector(Connector):
+    """The producer side of `ECExampleConnector`: each item's rows written to the shared storage (an item the
+    storage holds already is `held`, not encoded again)."""
+
+    name = "ECExampleConnector"
+
+    def __init__(self, storage: SharedStorage, family: str, version: VllmVersion, files: Executor) -> None:
+        self.storage = storage
+        self.family = family
+        self.version = version
+        self.files = files  # the threads file I/O runs in
+
+    @classmethod
+    def from_config(cls, config: Any, service: Any, settings: Any, version: VllmVersion) -> ECExampleConnector:
+        storage = SharedStorage(config.storage_path, settings.ec_storage_bytes, settings.ec_storage_min_age_s)
+        log.info("ECExampleConnector: storage %s (bound %s bytes)", storage.root, settings.ec_storage_bytes or "no")
+        return cls(storage, service.adapter.info.family, version, service.media_pool)
+
+    def held(self, identifier: str) -> int | None:
+        if not self.storage.lookup(identifier):
+            return None
+        rows = self.storage.stored_rows(identifier)
+        return rows if rows is not None else 0
+
+    async def hand_over(self, items: list[ItemRows], params: Any, request_id: str) -> dict[str, Any]:
+        written: dict[str, torch.Tensor] = {}
+        for item in items:
+            if item.rows is not None and item.source != "held":
+                written.setdefault(item.identifier, item.rows)
+        if written:
+            await asyncio.get_running_loop().run_in_executor(self.files, self._write_all, list(written.items()))
+        return transfer_params(items, self.family, self.version)
+
+    def _write_all(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        for identifier, rows in items:
+            self.storage.write(identifier, rows)
+
+    def info(self) -> dict[str, Any]:
+        return {"connector": self.name, "role": "ec_producer", "shared_storage_path": str(self.storage.root)}
+
+    def watch(self, metrics: Any) -> None:
+        metrics.watch_ec_storage(self.storage)

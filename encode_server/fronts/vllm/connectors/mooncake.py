@@ -1,11 +1,11 @@
 """vLLM's `ECMooncakeConnector`, producer role: each item's rows pushed into the consumer's reserved buffer.
 
-The protocol of vLLM 0.33 (`ec_connector/mooncake/`, its scheduler, worker and control plane) as its EPD
-proxy drives an encoder instance:
+The protocol of vLLM 0.32 and 0.33 (the same in both: `ec_connector/mooncake/`, its scheduler, worker and control
+plane) as its EPD proxy drives an encoder instance:
 
 1. The proxy sends each encoder request with `ec_transfer_params = {"consumer_zmq": "tcp://host:port",
    "ec_items": [{"transfer_id": ...}, ...]}`, one entry per media item, by position.
-2. The items are identified and encoded as `--ec-storage` does (`producer.VllmProducer.rows`).
+2. The items are identified and encoded (or found in the shared tier) by `producer.VllmProducer.rows`.
 3. The consumer's control socket (`mooncake_control`) is asked for its ranks (`peers`); every rank gets one
    `reserve_batch` with each item's `transfer_id`, `mm_hash` (the identifier), `nbytes`, `shape` and
    `dtype`, and answers each with a reservation: `reservation_id`, `dst_session`, `dst_ptr`, `nbytes`,
@@ -42,43 +42,21 @@ from typing import Any
 
 import torch
 
-from encode_server.fronts.vllm.mooncake_control import ControlClient, ControlError
-from encode_server.fronts.vllm.producer import ItemRows
-from encode_server.ops.transfer_config import ECTransferConfig
+from encode_server.fronts.vllm.connectors.base import Connector, ItemRows, transfer_params
+from encode_server.fronts.vllm.connectors.mooncake_control import ControlClient, ControlError
+from encode_server.fronts.vllm.transfer_config import ECTransferConfig
+from encode_server.fronts.vllm.versions import NEWEST, VllmVersion
 from encode_server.records import EncodeError
 from encode_server.transport.mooncake import MooncakeEngine
 from encode_server.transport.registered import RegistrationRefused
 
-log = logging.getLogger("encode_server.fronts.vllm.mooncake_connector")
+log = logging.getLogger("encode_server.fronts.vllm.connectors.mooncake")
 
-#: (family, modality) -> the placeholder fields vLLM 0.33's data parser declares (`embedding_fields`, role
-#: "metadata"), where this server can fill every one of them. Elsewhere nothing is published and the proxy sends
-#: the consumer the media itself (Qwen3-VL videos also need their timestamps, the Omni models' videos
-#: `second_per_grid_ts` and their audio `audio_feature_lengths`; GLM-4.1V declares none). Checked against
-#: vLLM's own declarations by `scripts/vllm_transport_compat.py`.
-PLACEHOLDER_FIELDS: dict[tuple[str, str], str] = {
-    **{(family, "image"): "image_grid_thw" for family in
-       ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni_moe")},
-    ("qwen2_vl", "video"): "video_grid_thw",
-    ("qwen2_5_vl", "video"): "video_grid_thw",
-    ("qwen2_audio", "audio"): "audio_num_tokens",
-}
 _CONSUMER = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 #: Worker threads pushing at once (each holds one request's control exchanges and writes).
 PUSH_THREADS = 16
 #: Transfer ids remembered as pushed (vLLM's producer keeps 65536 finished pushes).
 PUSHED_KEPT = 1 << 16
-
-
-def placeholder_metadata(family: str, item: ItemRows) -> dict[str, list[int]]:
-    """What vLLM's producer publishes beside an item for its consumer to size the placeholder with
-    (`MultiModalDataParser.placeholder_metadata_fields`); empty where this server does not know it."""
-    name = PLACEHOLDER_FIELDS.get((family, item.modality))
-    if name == "audio_num_tokens":
-        return {name: [int(item.layout.tokens)]}
-    if name is not None:
-        return {name: [int(value) for value in item.layout.grid_thw]}
-    return {}
 
 
 def check_consumer_address(address: Any) -> str:
@@ -129,13 +107,16 @@ class PushFailed(Exception):
         self.retry_after_s = retry_after_s
 
 
-class MooncakePusher:
+class ECMooncakeConnector(Connector):
     """The producer side of `ECMooncakeConnector`: reserve, write, complete (or cancel); see the module
     docstring."""
 
-    def __init__(self, config: ECTransferConfig, family: str) -> None:
+    name = "ECMooncakeConnector"
+
+    def __init__(self, config: ECTransferConfig, family: str, version: VllmVersion = NEWEST) -> None:
         self.config = config
         self.family = family
+        self.version = version
         self.engine = MooncakeEngine(config.ip, config.protocol, config.buffer_size, name="ECMooncakeConnector")
         self.control = ControlClient(config.control_timeout_s)
         self._threads = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="ec-mooncake-push")
@@ -144,6 +125,10 @@ class MooncakePusher:
         # proxy's retry) is answered without a second reservation, as vLLM's producer keeps its finished pushes.
         self._pushed: OrderedDict[str, tuple] = OrderedDict()
         self.open_reservations = 0  # reservations taken on consumers and not settled yet (completed or cancelled)
+
+    @classmethod
+    def from_config(cls, config: Any, service: Any, settings: Any, version: VllmVersion) -> ECMooncakeConnector:
+        return cls(config, service.adapter.info.family, version)
 
     def _opened(self, count: int) -> None:
         with self._lock:
@@ -160,7 +145,7 @@ class MooncakePusher:
                 "registered_bytes_bound": self.config.buffer_size, "open_reservations": self.open_reservations,
                 **self.stats.as_json()}
 
-    async def push(self, items: list[ItemRows], params: Any, request_id: str) -> dict[str, Any]:
+    async def hand_over(self, items: list[ItemRows], params: Any, request_id: str) -> dict[str, Any]:
         """Push every item to the consumer the request names; the `ec_transfer_params` of the answer.
         `EncodeError` on failure (nothing stays reserved or registered)."""
         try:
@@ -180,14 +165,8 @@ class MooncakePusher:
         except BaseException:
             self._release(fresh)
             raise
-        answer: dict[str, Any] = {}
-        for index, push in enumerate(pushes):
-            entry = answer.setdefault(push.item.identifier, {
-                "modality": push.item.modality, "metadata": placeholder_metadata(self.family, push.item),
-                "item_indices": []})
-            entry["item_indices"].append(index)
-            entry["transfer_id"] = push.transfer_id
-        return answer
+        ids = {push.item.identifier: push.transfer_id for push in pushes}  # the last one, as vLLM's producer
+        return transfer_params(items, self.family, self.version, lambda item: {"transfer_id": ids[item.identifier]})
 
     def _claim(self, consumer: str, pushes: list[_Push], request_id: str) -> list[_Push]:
         """The pushes not pushed yet; a transfer id already pushed (or being pushed) with the same item to the same

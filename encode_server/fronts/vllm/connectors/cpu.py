@@ -1,13 +1,14 @@
 """vLLM's `ECCPUConnector` in its P2P mode, producer role: items kept in NIXL-registered memory that consumers read.
 
-The protocol of vLLM 0.33 (`ec_connector/cpu/`: `protocol.py`, `session.py`'s `ProducerSession`, the
-scheduler's `request_finished`), as an EPD proxy drives an encoder instance and the consumer then reads:
+The protocol of vLLM 0.32 and 0.33 (the same in both: `ec_connector/cpu/`: `protocol.py`, `session.py`'s
+`ProducerSession`, the scheduler's `request_finished`), as an EPD proxy drives an encoder instance and the consumer
+then reads:
 
-1. The proxy sends the encoder request; each item is identified and encoded as `--ec-storage` does
-   (`producer.VllmProducer.rows`) and its rows are copied into blocks of the registered pool
+1. The proxy sends the encoder request; each item is identified and encoded (or found in the shared tier)
+   by `producer.VllmProducer.rows` and its rows are copied into blocks of the registered pool
    (`transport.nixl.NixlBlockPool`), in blocks of the consumer's block size (the language model's hidden
    size times the element size: one row per block where the rows are that wide).
-2. The answer's `ec_transfer_params` names each item as vLLM's producer does: `{identifier: {"modality",
+2. The answer's `ec_transfer_params` names each item as vLLM's producer does: `{identifier: {"modality" (0.33),
    "metadata", "item_indices", "peer_host", "peer_port", "size_bytes", "shape"}}`, `size_bytes` being the
    whole blocks and `shape` the rows' `[rows, width]`.
 3. The consumer's scheduler sends an `XferReq` (msgpack, `{"type": "req", "mm_hash", "compatibility_hash",
@@ -49,14 +50,14 @@ import msgpack
 import torch
 import zmq
 
-from encode_server.fronts.vllm.mooncake_connector import placeholder_metadata
-from encode_server.fronts.vllm.producer import ItemRows
-from encode_server.ops.transfer_config import ECTransferConfig
+from encode_server.fronts.vllm.connectors.base import Connector, ItemRows, transfer_params
+from encode_server.fronts.vllm.transfer_config import ECTransferConfig
+from encode_server.fronts.vllm.versions import VllmVersion
 from encode_server.records import EncodeError
 from encode_server.transport.nixl import NixlBlockPool
 from encode_server.transport.registered import RegistrationRefused
 
-log = logging.getLogger("encode_server.fronts.vllm.cpu_connector")
+log = logging.getLogger("encode_server.fronts.vllm.connectors.cpu")
 
 #: vLLM 0.33's `EC_CONNECTOR_VERSION`: a request naming another version is answered `NACK_VERSION`.
 CONNECTOR_VERSION = 2
@@ -92,20 +93,23 @@ class _Grant:
     nbytes: int
 
 
-class CPUConnectorProducer:
+class ECCPUConnector(Connector):
     """The producer side of `ECCPUConnector` in P2P mode; see the module docstring."""
 
+    name = "ECCPUConnector"
+
     def __init__(self, config: ECTransferConfig, family: str, hidden_size: int, dtype: torch.dtype, model: str,
-                 vllm_version: str, host: str, port: int) -> None:
+                 version: VllmVersion, host: str, port: int) -> None:
         if host in WILDCARDS:
             raise ValueError(f"ECCPUConnector: --ec-side-channel-host {host!r} is a wildcard, but consumers are told "
                              f"this address to reach the encoder at: give that address")
         self.config = config
         self.family = family
+        self.version = version
         self.dtype = dtype
         self.host, self.port = host, port
         self.block_size = int(hidden_size) * torch.empty(0, dtype=dtype).element_size()
-        self.factors = [vllm_version, model, str(dtype), self.block_size]
+        self.factors = [version.text, model, str(dtype), self.block_size]
         self.compat_hash = compatibility_hash(*self.factors)
         self.pool = NixlBlockPool(config.engine_id or f"encode-server-{uuid.uuid4()}", self.block_size,
                                   config.cpu_bytes, progress_thread=config.progress_thread)
@@ -134,11 +138,10 @@ class CPUConnectorProducer:
                  host, port, self.pool.agent_name, self.block_size, self.factors)
 
     @classmethod
-    def from_settings(cls, settings: Any, adapter: Any) -> CPUConnectorProducer:
-        """The producer `--ec-transfer-config` asks for, for the served model."""
-        return cls(settings.vllm_push, adapter.info.family, adapter.info.hidden_size, adapter.dtype,
-                   settings.ec_identifier_model, settings.ec_vllm_version, settings.ec_side_channel_host,
-                   settings.ec_side_channel_port)
+    def from_config(cls, config: Any, service: Any, settings: Any, version: VllmVersion) -> ECCPUConnector:
+        info = service.adapter.info
+        return cls(config, info.family, info.hidden_size, service.adapter.dtype, settings.ec_identifier_model,
+                   version, settings.ec_side_channel_host, settings.ec_side_channel_port)
 
     # --- what it shows ------------------------------------------------------------------------------
 
@@ -171,16 +174,18 @@ class CPUConnectorProducer:
 
     # --- the encoder's answer -----------------------------------------------------------------------
 
-    async def publish(self, items: list[ItemRows], request_id: str) -> dict[str, Any]:
-        """Every item's rows into the pool; the `ec_transfer_params` of the answer. `EncodeError` on failure."""
+    async def hand_over(self, items: list[ItemRows], params: Any, request_id: str) -> dict[str, Any]:
+        """Every item's rows into the pool; the answer's `ec_transfer_params`. In vLLM's P2P flow the proxy sends
+        the encoder no `ec_transfer_params`, and any it sends are not read. `EncodeError` on failure."""
         unique: dict[str, ItemRows] = {}
         for item in items:
             unique.setdefault(item.identifier, item)
         loop = asyncio.get_running_loop()
         for item in unique.values():
-            if item.rows.dtype != self.dtype or item.rows.dim() != 2:
-                raise EncodeError(500, f"ECCPUConnector: {item.identifier}'s rows are {item.rows.dtype} "
-                                       f"{list(item.rows.shape)}, the transport carries 2-D {self.dtype}", request_id)
+            if item.rows is None or item.rows.dtype != self.dtype or item.rows.dim() != 2:
+                shape = "no" if item.rows is None else f"{item.rows.dtype} {list(item.rows.shape)}"
+                raise EncodeError(500, f"ECCPUConnector: {item.identifier} has {shape} rows, the transport carries "
+                                       f"2-D {self.dtype}", request_id)
         try:
             entries = await asyncio.gather(*(loop.run_in_executor(self._copies, self.pool.put, identifier, item.rows,
                                                                   self.config.hold_s)
@@ -189,20 +194,10 @@ class CPUConnectorProducer:
             raise EncodeError(503, f"ECCPUConnector: {refused}", request_id,
                               headers={"Retry-After": str(refused.retry_after_s)}) from None
         blocks = {identifier: entry for identifier, entry in zip(unique, entries)}
-        answer: dict[str, Any] = {}
-        for index, item in enumerate(items):
-            entry = answer.setdefault(item.identifier, {
-                "modality": item.modality, "metadata": placeholder_metadata(self.family, item), "item_indices": [],
-                "peer_host": self.host, "peer_port": self.port,
-                "size_bytes": len(blocks[item.identifier].block_ids) * self.block_size,
-                "shape": [int(size) for size in item.rows.shape]})
-            entry["item_indices"].append(index)
-        return answer
-
-    async def push(self, items: list[ItemRows], params: Any, request_id: str) -> dict[str, Any]:
-        """The chat route's call, as for the pushing connectors: in vLLM's P2P flow the proxy sends the encoder
-        no `ec_transfer_params`, and any it sends are not read."""
-        return await self.publish(items, request_id)
+        return transfer_params(items, self.family, self.version, lambda item: {
+            "peer_host": self.host, "peer_port": self.port,
+            "size_bytes": len(blocks[item.identifier].block_ids) * self.block_size,
+            "shape": [int(size) for size in item.rows.shape]})
 
     # --- the side channel (its own thread) ----------------------------------------------------------
 

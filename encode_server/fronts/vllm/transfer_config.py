@@ -1,19 +1,20 @@
-"""vLLM's `--ec-transfer-config` JSON, as the encoder of this server reads it.
+"""vLLM's `--ec-transfer-config` JSON, as the encoder of this server reads it, and the one connector the settings ask
+for (`connector_config`: the transfer config, or `--ec-storage`'s files).
 
-The same object a vLLM encoder instance is started with (vLLM 0.33, `config/ec_transfer.py` and each
+The same object a vLLM encoder instance is started with (vLLM 0.32 and 0.33, `config/ec_transfer.py` and each
 connector's config): `ec_connector` and `ec_role`, the top-level `ec_buffer_device`, `ec_buffer_size`,
 `ec_ip`, `ec_port`, and the connector's own keys in `ec_connector_extra_config`. What this server can
 honour is taken; anything else is refused in one line at start-up that says why and what to write
 instead:
 
 - `ECMooncakeConnector`, `ec_role` `ec_producer`: each item's rows pushed with Mooncake's TransferEngine
-  into the buffer the consumer reserved (`fronts/vllm/mooncake_connector.py`). `ec_buffer_size` bounds the memory
+  into the buffer the consumer reserved (`connectors/mooncake.py`). `ec_buffer_size` bounds the memory
   registered with the engine at once; `mooncake_protocol` is `rdma` unless set (say `tcp` where there is
   no RDMA NIC); `control_timeout_s` bounds each control request to a consumer. Rows are registered from
   host memory, so `ec_buffer_device` must be `cpu` (the default here, where vLLM's is `cuda`).
 - `ECCPUConnector` in its P2P mode (`ec_connector_extra_config.ec_enable_nixl` true), `ec_role`
   `ec_producer`: each item's rows kept in a pool of CPU memory registered with NIXL, in blocks of the
-  consumer's block size, which the consumer reads (`fronts/vllm/cpu_connector.py`). `ec_cpu_bytes` (required, as
+  consumer's block size, which the consumer reads (`connectors/cpu.py`). `ec_cpu_bytes` (required, as
   vLLM requires it) is the pool, the bound on registered memory; `engine_id` names the NIXL agent;
   `producer_pin_lease_s` bounds how long a consumer's read may pin an item (vLLM's 30 s) and
   `unread_hold_s` how long an item nobody has read yet is kept from eviction; `nixl_progress_thread` true
@@ -22,6 +23,8 @@ instead:
   `ec_enable_nixl` the connector only offloads within one vLLM instance, which an encoder outside it
   cannot serve: refused.
 - `ECExampleConnector`: the files of `--ec-storage`, in `ec_connector_extra_config.shared_storage_path`.
+
+Whatever is refused is refused before the model loads (`runtime.check_fronts` builds every front first).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ CPU = "ECCPUConnector"
 EXAMPLE = "ECExampleConnector"
 SUPPORTED = (MOONCAKE, CPU, EXAMPLE)
 _PROTOCOLS = ("rdma", "tcp")
+WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(frozen=True)
@@ -164,3 +168,25 @@ def _cpu_connector(data: dict, extra: dict) -> ECTransferConfig:
         pin_lease_s=_positive("producer_pin_lease_s", extra.get("producer_pin_lease_s", 30), float),
         hold_s=_positive("unread_hold_s", extra.get("unread_hold_s", 60), float),
         progress_thread=_flag(extra.get("nixl_progress_thread", False)))
+
+
+def connector_config(settings: Any) -> ECTransferConfig | None:
+    """The connector the settings ask for: `--ec-transfer-config`'s, or `--ec-storage`'s files (an
+    `ECExampleConnector`), or None (the vLLM front is off). `ValueError` (one line) for what cannot be honoured."""
+    storage = settings.ec_storage
+    if storage is not None and not storage.strip():
+        raise ValueError("--ec-storage must name a folder")
+    if settings.ec_transfer_config is None:
+        return None if storage is None else ECTransferConfig(EXAMPLE, "ec_producer", storage_path=storage)
+    transfer = parse_ec_transfer_config(settings.ec_transfer_config)
+    if transfer.connector == CPU and settings.ec_side_channel_host in WILDCARDS:
+        raise ValueError(f"--ec-side-channel-host {settings.ec_side_channel_host!r} is a wildcard, but ECCPUConnector "
+                         f"consumers are told this address to reach the encoder at: give that address")
+    if transfer.storage_path is not None:
+        if storage is not None and storage != transfer.storage_path:
+            raise ValueError(f"--ec-storage {storage!r} and the --ec-transfer-config's shared_storage_path "
+                             f"{transfer.storage_path!r} differ: give one")
+    elif storage is not None:
+        raise ValueError(f"--ec-storage writes files for ECExampleConnector, --ec-transfer-config asks for "
+                         f"{transfer.connector}: one vLLM connector per server")
+    return transfer
