@@ -144,7 +144,7 @@ def test_tp_and_dp_together_are_refused():
 # --- data parallel ------------------------------------------------------------------------------
 
 def test_dp2_serves_concurrent_load_on_both_replicas_and_survives_losing_one(reference):
-    with ServerProcess("--dp-size", "2", "--log-level", "info") as server:
+    with ServerProcess("--dp-size", "2", "--log-level", "debug") as server:  # each batch's line names its replica
         deadline = time.monotonic() + 90
         while "replica=1" not in server.log() and time.monotonic() < deadline:
             bodies, _ = bodies_for("warm", 8)
