@@ -241,18 +241,32 @@ def test_a_model_whose_features_are_not_deterministic_is_refused(checkpoint):
     assert adapter.filled_tokens("image", adapter.processor.prompts["image"]).tolist() == [4]
 
 
-def test_features_added_to_the_text_embedding_are_refused(checkpoint):
-    """A model that adds its features to the placeholder's text embedding (instead of replacing it) cannot be
-    served without the language model's embedding table."""
+def test_features_mixed_with_the_text_embedding_otherwise_than_added_are_refused(checkpoint):
+    """A model that mixes its features with the placeholder's text embedding in any way but adding that one row
+    (Molmo2's way, served with the row read from the checkpoint) cannot be served without the language model's
+    embedding table."""
     adapter = checkpoint[3]
     image_token = adapter.processor.filled["image"]
     handle = adapter.model.model.multi_modal_projector.register_forward_hook(
-        lambda module, args, output: output + adapter.embedding(image_token).to(output.dtype))
+        lambda module, args, output: output + 2 * adapter.embedding(image_token).to(output.dtype))
     try:
         with pytest.raises(CheckpointError, match="mix the model's features with the text embedding"):
             adapter.filled_tokens("image", adapter.processor.prompts["image"])
     finally:
         handle.remove()
+
+
+def test_features_added_onto_the_placeholders_own_embedding_are_told_apart(checkpoint):
+    """Molmo2's way: the features plus the placeholder token's own embedding row; the probes name that token."""
+    adapter = checkpoint[3]
+    image_token = adapter.processor.filled["image"]
+    handle = adapter.model.model.multi_modal_projector.register_forward_hook(
+        lambda module, args, output: output + adapter.embedding(image_token).to(output.dtype))
+    try:
+        filled = adapter.filled_tokens("image", adapter.processor.prompts["image"])
+    finally:
+        handle.remove()
+    assert image_token in filled.tolist() and adapter.added_tokens == [image_token]
 
 
 def test_the_stand_in_embedding_tables_rows_by_index_are_its_rows():

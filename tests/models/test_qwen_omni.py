@@ -192,15 +192,15 @@ def test_qwen3_omni_short_clips_go_through_the_tower_apart(adapters):
 def test_audio_the_model_cannot_take_is_an_item_error(adapters):
     qwen25, qwen3 = adapters["qwen2_5_omni", "nested"], adapters["qwen3_omni_moe", "nested"]
     with pytest.raises(ItemError, match="longer than the model's window of 4 s"):
-        qwen25.item_layout("audio", np.zeros(64_001, dtype=np.float32))
-    qwen3.item_layout("audio", np.zeros(64_001, dtype=np.float32))  # Qwen3-Omni's processor has no window
+        qwen25.processor.item_layout("audio", np.zeros(64_001, dtype=np.float32))
+    qwen3.processor.item_layout("audio", np.zeros(64_001, dtype=np.float32))  # Qwen3-Omni's processor has no window
     for adapter, samples in ((qwen25, 320), (qwen3, 200)):
         with pytest.raises(ItemError, match="too short"):
             adapter.processor.item_layout("audio", np.zeros(samples, dtype=np.float32))
         with pytest.raises(ItemError, match="mono waveform"):
             adapter.processor.item_layout("audio", np.zeros((2, 16000), dtype=np.float32))
-    assert qwen25.item_layout("audio", np.zeros(321, dtype=np.float32)).tokens == 1
-    assert qwen3.item_layout("audio", np.zeros(201, dtype=np.float32)).tokens == 1
+    assert qwen25.processor.item_layout("audio", np.zeros(321, dtype=np.float32)).tokens == 1
+    assert qwen3.processor.item_layout("audio", np.zeros(201, dtype=np.float32)).tokens == 1
 
 
 def copy_folder(source, target):
