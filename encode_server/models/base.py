@@ -40,7 +40,11 @@ class ModelInfo:
     @property
     def row_width(self) -> int:
         """The width of one embedding row: the main features and every deepstack block."""
-        return self.hidden_size * (1 + self.deepstack)
+        return self.width_with(self.deepstack)
+
+    def width_with(self, deepstack: int) -> int:
+        """The width of a row of the main features and `deepstack` blocks: the one formula of a row's width."""
+        return self.hidden_size * (1 + deepstack)
 
     def deepstack_of(self, modality: str) -> int:
         """The deepstack blocks in the rows of this modality."""
@@ -50,7 +54,7 @@ class ModelInfo:
 
     def row_width_of(self, modality: str) -> int:
         """The width of this modality's rows."""
-        return self.hidden_size * (1 + self.deepstack_of(modality))
+        return self.width_with(self.deepstack_of(modality))
 
 
 class EncoderAdapter(ABC):
