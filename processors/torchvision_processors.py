@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from processors.base import CheckpointError, ItemError
+from processors.base import CheckpointError, ItemError, ItemLayout, PreparedBatch
 
 #: (frames, height, width) of a clip -> its `(t, h, w)` patch grid, from the video processor's own sizing rule.
 ClipGrid = Callable[[int, int, int], tuple[int, int, int]]
@@ -102,3 +102,23 @@ class ClipVideo:
         if grid != layout.grid_thw:
             raise RuntimeError(f"the video processor gave a {grid} grid where its sizing rule says {layout.grid_thw}")
         return processed["pixel_values_videos"], layout
+
+
+def grid_batch(family: str, modality: str, items: Sequence[Any], layouts: list[ItemLayout], image_processor: Any,
+               video_processor: Any, clip_grid: Callable[[Any], tuple[int, ...]]) -> PreparedBatch:
+    """One processor call for a batch of a grid family's images (or videos, each clip processed on its own, its
+    grid read by `clip_grid`), checked against the layouts its sizing rule gave: `pixel_values` and `grid_thw`."""
+    if modality == "video":
+        clips = [process_clip(video_processor, frames) for frames in items]
+        pixels = torch.cat([clip["pixel_values_videos"] for clip in clips])
+        grid = torch.cat([clip["video_grid_thw"] for clip in clips])
+        got = [clip_grid(clip["video_grid_thw"]) for clip in clips]
+    else:
+        processed = image_processor(images=list(items), return_tensors="pt")
+        pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
+        got = [tuple(row) for row in grid.tolist()]
+    if got != [layout.grid_thw for layout in layouts]:
+        raise RuntimeError(f"{family}: the {modality} processor gave grids {got} where its sizing rule says "
+                           f"{[layout.grid_thw for layout in layouts]}")
+    return PreparedBatch(modality=modality, inputs={"pixel_values": pixels, "grid_thw": grid}, layouts=layouts)
+

@@ -7,10 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from processors.base import ItemError, ItemLayout, PreparedBatch
-from processors.torchvision_processors import check_clip, process_clip
+from processors.torchvision_processors import check_clip, grid_batch
 from processors.video_clip import clip_timestamps, first_frame_timestamps
 from processors.vision_part import ImageProcessorBase, as_images
 
@@ -65,16 +63,6 @@ class MiniMaxM3VLProcessor(ImageProcessorBase):
 
     def preprocess(self, modality: str, items: Sequence[Any]) -> PreparedBatch:
         layouts = [self.item_layout(modality, item) for item in items]  # one bad item must not fail the call
-        if modality == "video":
-            clips = [process_clip(self.video_processor, frames) for frames in items]
-            pixels = torch.cat([clip["pixel_values_videos"] for clip in clips])
-            grid = torch.cat([clip["video_grid_thw"] for clip in clips])  # one row per attention segment
-            got = [(int(clip["video_grid_thw"][:, 0].sum()), *clip["video_grid_thw"][0, 1:].tolist()) for clip in clips]
-        else:
-            processed = self.image_processor(images=list(items), return_tensors="pt")
-            pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
-            got = [tuple(row) for row in grid.tolist()]
-        if got != [layout.grid_thw for layout in layouts]:
-            raise RuntimeError(f"minimax_m3_vl: the {modality} processor gave grids {got} where its sizing rule says "
-                               f"{[layout.grid_thw for layout in layouts]}")
-        return PreparedBatch(modality=modality, inputs={"pixel_values": pixels, "grid_thw": grid}, layouts=layouts)
+        # A clip's grid has one row per attention segment: its frames are their sum.
+        return grid_batch("minimax_m3_vl", modality, items, layouts, self.image_processor, self.video_processor,
+                          lambda grid: (int(grid[:, 0].sum()), *grid[0, 1:].tolist()))
