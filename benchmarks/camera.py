@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from encode_server.bench.machine import describe_machine
+
 #: Qwen2.5-VL's own pixel limits (preprocessor_config.json of the published checkpoints).
 QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS = 3136, 12845056
 CAMERA_SIZES = ((1280, 720), (1920, 1080))
@@ -296,6 +298,7 @@ def main(argv=None) -> None:
                         help="service mode: one more server flag (repeat), e.g. --server-arg=--preprocess-device=cuda")
     parser.add_argument("--out", help="append the results as JSON lines to this file")
     args = parser.parse_args(argv)
+    print(describe_machine()[1], flush=True)
     workers = len(os.sched_getaffinity(0)) if args.workers is None else args.workers
     images = camera_jpegs(args.images)
     results = []

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 from PIL import Image
 
+from encode_server.bench.machine import describe_machine
 from encode_server.media import base64_codec as base64  # the service's decoder: the ceiling does what it does
 
 
@@ -139,6 +140,7 @@ def main(argv=None) -> None:
     parser.add_argument("--thread-cpu", action="store_true",
                         help="print the server's CPU per request by thread in each service round (Linux)")
     args = parser.parse_args(argv)
+    print(describe_machine()[1], flush=True)
     payloads = make_payloads("image", 32, args.image_size)
     adapter = load_ceiling_model(args.model)
     ratios, served, tops = [], [], []

@@ -4,9 +4,11 @@ Configurations (`--compare`): `on` (dynamic batching), `off` (one request per fo
 baseline), `ceiling` (the same batches through the model in a loop, no HTTP), and `cache-on` /
 `cache-off` (dynamic batching with the embedding cache at `--cache-bytes`, and with it off; `on` and
 `off` run with the cache off, so that they measure batching alone). The comparisons with peers (Ray
-Serve, SGLang's own encoder server) are benchmarks of a checkout, not of this command:
-`benchmarks/ray_compare.py` runs this sweep against a Ray Serve peer, `benchmarks/sglang_compare.py`
-against SGLang (docs/BENCHMARKS.md). Workloads (`--workload`, see
+Serve, SGLang's own encoder server, vLLM's own encoder instance) are benchmarks of a checkout, not of this
+command: `benchmarks/ray_compare.py` runs this sweep against a Ray Serve peer, `benchmarks/sglang_compare.py`
+against SGLang, `benchmarks/vllm_compare.py` against vLLM (docs/BENCHMARKS.md). The run prints the machine
+(`machine.py`: the CPU model, the cores it may use, the torch version) at its start and beside its figures,
+and records it in `results.json`. Workloads (`--workload`, see
 `workloads.py`): `single` (one image per request), `chat` (Zipf-popular conversations re-sending
 earlier turns' images) and `unique` (chat's shape, nothing ever repeated: the cache's worst case);
 every configuration gets a fresh server per workload. For each server: a closed-loop concurrency
@@ -49,6 +51,7 @@ except ImportError:  # the bench extra is not installed: say so in one line rath
 
 from encode_server.bench.launcher import ServerProcess
 from encode_server.bench.load import closed_loop, make_payloads, open_loop
+from encode_server.bench.machine import describe_machine
 from encode_server.bench.workloads import WORKLOADS, make_workload
 from encode_server.ops.memory import cpu_seconds, resident_bytes
 
@@ -431,14 +434,16 @@ def run(args, peers: Mapping[str, Peer] | None = None, skipped: Mapping[str, str
     unknown = [config for config in args.compare if config not in (*CONFIGS, *peers, *(skipped or {}))]
     if unknown:
         raise SystemExit(f"encode-bench: unknown configuration {', '.join(map(repr, unknown))}: --compare takes "
-                         f"{', '.join(CONFIGS)}. The peer comparisons (Ray Serve, SGLang) are a checkout's "
-                         f"benchmarks: python benchmarks/ray_compare.py, python benchmarks/sglang_compare.py "
-                         f"(docs/BENCHMARKS.md)")
+                         f"{', '.join(CONFIGS)}. The peer comparisons (Ray Serve, SGLang, vLLM) are a checkout's "
+                         f"benchmarks: python benchmarks/ray_compare.py, python benchmarks/sglang_compare.py, "
+                         f"python benchmarks/vllm_compare.py (docs/BENCHMARKS.md)")
     check_out(args.out, args.overwrite_tracked)
     args.out.mkdir(parents=True, exist_ok=True)
+    machine, machine_line = describe_machine()
+    print(machine_line, flush=True)
     payloads = make_payloads(args.modality, 32, args.image_size, args.audio_seconds)
     results: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                     "points": [], "batch_histograms": {}, "skipped": dict(skipped or {})}
+                     "machine": machine, "points": [], "batch_histograms": {}, "skipped": dict(skipped or {})}
 
     if args.api_key:
         HEADERS["Authorization"] = f"Bearer {args.api_key}"
@@ -483,6 +488,7 @@ def run(args, peers: Mapping[str, Peer] | None = None, skipped: Mapping[str, str
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     written = plot(results, args.out)
     print(f"wrote {args.out / 'results.json'}" + (f" and {', '.join(written)}" if written else ""))
+    print(machine_line, flush=True)  # beside the figures above
     return results
 
 
