@@ -7,7 +7,8 @@ import pickle
 
 import pytest
 
-from benchmarks.sglang_compare import RID, Point, parse_args, request_body, summarise, table
+from benchmarks.peer_compare import Point, summarise, table
+from benchmarks.sglang_compare import RID, parse_args, request_body
 from encode_server.bench.__main__ import main as encode_bench
 
 pytestmark = pytest.mark.quick
