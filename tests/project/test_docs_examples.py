@@ -75,7 +75,7 @@ OURS = ("encode-server", "encode-bench", "python", "bash")
 #: The folders of this project's runnable scripts.
 SCRIPT_FOLDERS = ("scripts/", "tools/", "benchmarks/")
 #: Modules run with `python -m` that belong to other projects.
-FOREIGN_MODULES = ("sglang.",)
+FOREIGN_MODULES = ("sglang.", "vllm.")
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
