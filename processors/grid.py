@@ -4,9 +4,9 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3.5), GLM-4V, GLM-5-Next, Dots3-Note and
 towers take an image or a video as patches on a `t x h x w` grid (`t` counts groups of `temporal_patch_size`
 frames; an image is one group) and merge every `merge x merge` patches into one output row: `t * h * w / merge^2`
 rows per item. Images go through the folder's image processor (as `AutoImageProcessor` resolves it, with the
-table-lookup patchify of `fast_patches.py` where it is a stock Qwen2-VL or GLM-4V one) in one call for the
-batch; videos through `VideoPatcher` (`video_patches.py`) or a family's torchvision-backed `ClipVideo`. What
-differs per family is how the image size is chosen (`image_size`): the sizing rules of Qwen2-VL and GLM-4V are
+faster, bit-identical patchify of `fast_patches.py` where it is a stock Qwen2-VL or GLM-4V one, of either
+backend) in one call for the batch; videos through `VideoPatcher` (`video_patches.py`) or a family's
+torchvision-backed `ClipVideo`. What differs per family is how the image size is chosen (`image_size`): the sizing rules of Qwen2-VL and GLM-4V are
 here, each a module-level function bound to the processor's settings with `functools.partial`, so that the
 processor pickles into the preprocessing workers.
 

@@ -25,10 +25,10 @@ class PreprocessDeviceError(ValueError):
 
 
 def pil_backend_class(pil_processor: Any) -> type:
-    """The `transformers` PIL-backend class of a processor: its own class, or for our table-lookup copies
-    (`processors/fast_patches.py`) the stock class they derive from."""
+    """The `transformers` class of a processor: its own class, or for our fast copies (`processors/fast_patches.py`)
+    the stock class they derive from (PIL-backend or torchvision-backend)."""
     for cls in type(pil_processor).__mro__:
-        if cls.__name__.endswith("Pil") and ".image_processing_pil_" in cls.__module__:
+        if cls.__module__.startswith("transformers.models."):
             return cls
     return type(pil_processor)
 

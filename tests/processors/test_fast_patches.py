@@ -1,4 +1,6 @@
-"""The table-lookup Qwen2-VL image processor gives the stock `transformers` processor's output bit for bit."""
+"""The fast Qwen2-VL and GLM-4V image processors (`processors/fast_patches.py`: the PIL backend's table lookup,
+the torchvision backend's patches-first normalisation) give the stock `transformers` processors' output bit for
+bit."""
 
 from __future__ import annotations
 
@@ -10,11 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 from encode_server.models import load_adapter
-from processors.fast_patches import FAST_TWINS, FastQwen2VLImageProcessorPil, accelerated
+from processors.fast_patches import FAST_TWINS, accelerated
+
+#: The stock classes of both backends (the torchvision one is what `AutoImageProcessor` picks for a folder here).
+QWEN_BACKENDS = [Qwen2VLImageProcessorPil, Qwen2VLImageProcessor]
 
 pytestmark = pytest.mark.quick
 
@@ -50,9 +57,10 @@ def assert_same_output(stock, images: list, return_tensors: str = "pt", **call) 
     dict(QWEN25_LIMITS, temporal_patch_size=1),
     dict(min_pixels=56 * 56, max_pixels=112 * 112),  # large images shrink
 ])
-def test_bit_identical_for_each_setting(settings_):
-    images = [picture(301, 207, 1), picture(64, 40, 2), picture(640, 480, 3)]
-    assert_same_output(Qwen2VLImageProcessorPil(**settings_), images)
+@pytest.mark.parametrize("backend", QWEN_BACKENDS)
+def test_bit_identical_for_each_setting(settings_, backend):
+    images = [picture(301, 207, 1), picture(64, 40, 2), picture(640, 480, 3), picture(301, 207, 8)]
+    assert_same_output(backend(**settings_), images)
 
 
 @pytest.mark.parametrize("settings_", [
@@ -60,18 +68,30 @@ def test_bit_identical_for_each_setting(settings_):
     dict(size={"shortest_edge": 56 * 56, "longest_edge": 448 * 448}),
     dict(do_normalize=False, temporal_patch_size=1),
 ])
-def test_glm4v_bit_identical(settings_):
+@pytest.mark.parametrize("backend", [Glm4vImageProcessorPil, Glm4vImageProcessor])
+def test_glm4v_bit_identical(settings_, backend):
     images = [picture(301, 207, 11), picture(64, 40, 12), picture(640, 480, 13)]
-    assert_same_output(Glm4vImageProcessorPil(**settings_), images)
+    assert_same_output(backend(**settings_), images)
 
 
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK", "LA", "I;16"])
-def test_bit_identical_for_other_image_modes(mode):
-    assert_same_output(Qwen2VLImageProcessorPil(**QWEN25_LIMITS), [picture(200, 150, 4, mode)])
+@pytest.mark.parametrize("backend", QWEN_BACKENDS)
+def test_bit_identical_for_other_image_modes(mode, backend):
+    assert_same_output(backend(**QWEN25_LIMITS), [picture(200, 150, 4, mode)])
 
 
-def test_numpy_return_and_a_camera_sized_image():
-    assert_same_output(Qwen2VLImageProcessorPil(**QWEN25_LIMITS), [picture(1280, 720, 5)], return_tensors="np")
+@pytest.mark.parametrize("backend", QWEN_BACKENDS)
+def test_numpy_return_and_a_camera_sized_image(backend):
+    assert_same_output(backend(**QWEN25_LIMITS), [picture(1280, 720, 5)], return_tensors="np")
+
+
+def test_torchvision_backend_takes_the_stock_path_where_pixels_stay_uint8_or_are_float():
+    """Neither rescaled nor normalised, the stock output is uint8; float tensors are not a byte image: both
+    take the stock steps, and give the stock output."""
+    assert_same_output(Qwen2VLImageProcessor(**QWEN25_LIMITS, do_rescale=False, do_normalize=False),
+                       [picture(90, 70, 9)])
+    floats = torch.from_numpy(np.random.default_rng(10).random((3, 100, 130), dtype=np.float32))
+    assert_same_output(Qwen2VLImageProcessor(**QWEN25_LIMITS), [floats, picture(90, 70, 7)], do_rescale=False)
 
 
 def test_float_arrays_take_the_stock_path():
@@ -87,18 +107,20 @@ def test_float_arrays_take_the_stock_path():
 def test_bit_identical_for_any_size(width, height, seed, min_side, max_side):
     if max(width, height) / min(width, height) > 200:  # the processor refuses such aspect ratios
         return
-    stock = Qwen2VLImageProcessorPil(min_pixels=min_side * min_side, max_pixels=max_side * max_side)
-    assert_same_output(stock, [picture(width, height, seed), picture(height, width, seed + 1)])
+    for backend in QWEN_BACKENDS:
+        stock = backend(min_pixels=min_side * min_side, max_pixels=max_side * max_side)
+        assert_same_output(stock, [picture(width, height, seed), picture(height, width, seed + 1)])
 
 
-def test_accelerated_copies_only_the_stock_class():
-    stock = Qwen2VLImageProcessorPil(**QWEN25_LIMITS)
+@pytest.mark.parametrize("backend", QWEN_BACKENDS)
+def test_accelerated_copies_only_the_stock_class(backend):
+    stock = backend(**QWEN25_LIMITS)
     fast = accelerated(stock)
-    assert fast is not stock and type(stock) is Qwen2VLImageProcessorPil  # the caller's object is unchanged
+    assert fast is not stock and type(stock) is backend  # the caller's object is unchanged
     assert fast.to_dict() | {"image_processor_type": None} == stock.to_dict() | {"image_processor_type": None}
-    assert type(pickle.loads(pickle.dumps(fast))) is FastQwen2VLImageProcessorPil  # preprocessing workers
+    assert type(pickle.loads(pickle.dumps(fast))) is FAST_TWINS[backend]  # preprocessing workers
 
-    class Custom(Qwen2VLImageProcessorPil):
+    class Custom(backend):
         pass
 
     custom = Custom()
@@ -117,3 +139,12 @@ def test_gpu_preprocessing_finds_the_stock_class_behind_the_copy():
 
     for stock in (Qwen2VLImageProcessorPil(), Glm4vImageProcessorPil()):
         assert pil_backend_class(accelerated(stock)) is type(stock)
+
+
+def test_gpu_preprocessing_keeps_a_torchvision_copy():
+    """A folder's torchvision processor is its own GPU twin: the fast copy goes to the device as it is (its
+    device calls take the stock steps)."""
+    from encode_server.preprocessing.gpu import fast_twin
+
+    fast = accelerated(Qwen2VLImageProcessor(**QWEN25_LIMITS))
+    assert fast_twin(fast) is fast
