@@ -267,17 +267,25 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
     def pool_stats(url: str) -> list[dict]:
         return httpx.get(url + "/v1/performance", timeout=60).json()["preprocess_workers"]
 
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/camera.py` from anywhere
+    from benchmarks.pinned import per_request_ms, thread_cpu_s
+
     payloads = [base64.b64encode(data).decode() for data in images]
     # The images repeat round robin: the embedding cache would answer all but the first eight.
     flags = ["--model", str(checkpoint or camera_checkpoint()), "--preprocess-workers", str(workers),
              "--cache-bytes", "0", *extra]
     with ServerProcess(*flags, startup_timeout=600) as server:
         asyncio.run(closed_loop(server.url, "warm-up", concurrency, concurrency, "image", payloads))
-        before, started = pool_stats(server.url), time.perf_counter()
+        before, threads_before, started = pool_stats(server.url), thread_cpu_s(server.proc.pid), time.perf_counter()
         result = asyncio.run(closed_loop(server.url, f"service-w{workers}", concurrency, requests, "image", payloads))
         wall = time.perf_counter() - started
         utilisation = workers_utilisation(before, pool_stats(server.url), wall)
-    return {**result.as_dict(), "mode": "service", "workers": workers, "workers_utilisation": utilisation}
+        # Each server thread's CPU per request: where the cores went (Linux; the workers' processes not included).
+        by_thread = per_request_ms(threads_before, thread_cpu_s(server.proc.pid), result.requests)
+    return {**result.as_dict(), "mode": "service", "workers": workers, "workers_utilisation": utilisation,
+            "server_cpu_ms_per_request_by_thread": by_thread,
+            "server_cpu_busy_cores": round(sum(by_thread.values()) * result.requests / 1e3 / wall, 2)}
 
 
 def main(argv=None) -> None:

@@ -6,9 +6,9 @@ frames; an image is one group) and merge every `merge x merge` patches into one 
 rows per item. Images go through the folder's image processor (as `AutoImageProcessor` resolves it, with the
 faster, bit-identical patchify of `fast_patches.py` where it is a stock Qwen2-VL or GLM-4V one, of either
 backend) in one call for the batch; videos through `VideoPatcher` (`video_patches.py`) or a family's
-torchvision-backed `ClipVideo`. What differs per family is how the image size is chosen (`image_size`): the sizing rules of Qwen2-VL and GLM-4V are
-here, each a module-level function bound to the processor's settings with `functools.partial`, so that the
-processor pickles into the preprocessing workers.
+torchvision-backed `ClipVideo`. What differs per family is how the image size is chosen (`image_size`): the
+sizing rules of Qwen2-VL and GLM-4V are here, each a module-level function bound to the processor's settings
+with `functools.partial`, so that the processor pickles into the preprocessing workers.
 
 With `video_timestamps`, a video's layout also holds the seconds of each temporal patch, which Qwen3-VL's prompt
 names (`video_clip.py`); GLM-4V's prefill side does not read them.
