@@ -278,14 +278,18 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
     with ServerProcess(*flags, startup_timeout=600) as server:
         asyncio.run(closed_loop(server.url, "warm-up", concurrency, concurrency, "image", payloads))
         before, threads_before, started = pool_stats(server.url), thread_cpu_s(server.proc.pid), time.perf_counter()
-        result = asyncio.run(closed_loop(server.url, f"service-w{workers}", concurrency, requests, "image", payloads))
+        client_started = time.process_time()
+        result = asyncio.run(closed_loop(server.url, f"service-w{workers}", concurrency, requests, "image", payloads,
+                                         warm=0))  # warmed up above: every request the threads' CPU covers is counted
         wall = time.perf_counter() - started
+        client_cpu_s = time.process_time() - client_started
         utilisation = workers_utilisation(before, pool_stats(server.url), wall)
         # Each server thread's CPU per request: where the cores went (Linux; the workers' processes not included).
         by_thread = per_request_ms(threads_before, thread_cpu_s(server.proc.pid), result.requests)
     return {**result.as_dict(), "mode": "service", "workers": workers, "workers_utilisation": utilisation,
             "server_cpu_ms_per_request_by_thread": by_thread,
-            "server_cpu_busy_cores": round(sum(by_thread.values()) * result.requests / 1e3 / wall, 2)}
+            "server_cpu_busy_cores": round(sum(by_thread.values()) * result.requests / 1e3 / wall, 2),
+            "load_generator_busy_cores": round(client_cpu_s / wall, 2)}
 
 
 def main(argv=None) -> None:

@@ -106,18 +106,21 @@ def build_engine_and_scheduler(settings: Settings, adapter: EncoderAdapter, grou
     replicas = None
     if group is not None and group.role == "dp":
         replicas = DataParallelReplicas(group, asyncio.get_running_loop())
-    engine = EncoderEngine(adapter, metrics, replicas, preprocess_pool)
+    in_flight = batches_in_flight(adapter.device.type != "cpu", torch.get_num_threads(), usable_cores(),
+                                  settings.dp_size)
+    adaptive = preprocess_pool is None and in_flight == 1
+    # Where the overlap is adaptive it may allow two batches in flight; they may then both prepare at once,
+    # preparation being the longer stage there.
+    engine = EncoderEngine(adapter, metrics, replicas, preprocess_pool, processor_threads=2 if adaptive else 1)
     policy = batch_policy(settings)
     if engine.can_prefetch:
         # The pool prepares up to a batch's worth of queued requests ahead; a batch takes the ready ones,
         # so one batch in flight (in the forward) is enough: the next takes what is ready when it ends.
         return engine, EncoderScheduler(engine, policy, metrics, max_in_flight=1, clock=clock, costs=costs,
                                         prefetch_limit=policy.max_batch_size)
-    in_flight = batches_in_flight(adapter.device.type != "cpu", torch.get_num_threads(), usable_cores(),
-                                  settings.dp_size)
     # Where preparing the next batch would contend with the forward for the cores, whether to overlap them
     # is decided by what they measure on this model and traffic (`scheduling.overlap`).
-    overlap = AdaptiveOverlap(in_flight) if in_flight == 1 else None
+    overlap = AdaptiveOverlap(in_flight) if adaptive else None
     log.info("scheduler: up to %d batch(es) in flight%s", in_flight,
              " to start with; then as the measured costs of preparation and forward say" if overlap else "")
     return engine, EncoderScheduler(engine, policy, metrics, max_in_flight=in_flight, clock=clock, costs=costs,

@@ -3,7 +3,9 @@
 Stage one (the processor's thread) calls the model's processor once for all items of a batch; stage
 two (the forward's thread) runs the encoder forward. While batch N is in the forward, batch N+1 is in
 the processor, so the device does not wait for the CPU. The processor's thread queues its batch for the forward
-itself, so the next forward never waits for the event loop's turn. After the forward, the adapter
+itself, so the next forward never waits for the event loop's turn. Where the scheduler's overlap is adaptive
+(a CPU server: `scheduling.overlap`) the processor has two threads, so when preparing is the longer stage the
+two batches in flight prepare side by side, each going to the forward when it is ready. After the forward, the adapter
 slices the rows once, per request, by the model's own grid (checked against the forward's row
 count), and each job gets an `EncodedPart` holding its view of the batch's rows.
 
@@ -78,18 +80,25 @@ class EncoderEngine:
     batches over whole copies of the encoder; without it every batch runs here."""
 
     def __init__(self, adapter: EncoderAdapter, metrics: ServerMetrics, replicas: Any = None,
-                 preprocess_pool: PreprocessPool | None = None) -> None:
+                 preprocess_pool: PreprocessPool | None = None, processor_threads: int = 1) -> None:
         self.adapter = adapter
         self.metrics = metrics
         self.replicas = replicas
         self.preprocess_pool = preprocess_pool  # worker processes, or None: the processor runs in a thread here
         # id(job) -> (job, its pool submission): the job is kept so its id cannot be reused while listed
         self._prefetched: dict[int, tuple[EncodeJob, concurrent.futures.Future]] = {}
-        self._processor_thread = ThreadPoolExecutor(1, thread_name_prefix="encoder-processor",
+        # With two, two batches in flight may both be in the processor at once (where preparing is the longer
+        # stage: camera images on a CPU); each goes to the forward when it is ready.
+        self._processor_thread = ThreadPoolExecutor(processor_threads, thread_name_prefix="encoder-processor",
                                                     initializer=name_os_thread)
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward", initializer=name_os_thread)
         self._batch_ids = itertools.count(1)  # each batch's id, in its log line and its trace
         self.batch_log = BatchLog()
+
+    @property
+    def processor_threads(self) -> int:
+        """How many batches may be in the processor at once."""
+        return self._processor_thread._max_workers
 
     @property
     def can_prefetch(self) -> bool:
