@@ -73,6 +73,14 @@ def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+def _timed_with_cpu(fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
+    """`_timed`, and the CPU seconds of the thread that ran it (which threads contending for the cores do not
+    inflate, where they stretch the wall time)."""
+    cpu = time.thread_time()
+    result, wall = _timed(fn, *args)
+    return result, wall, time.thread_time() - cpu
+
+
 class EncoderEngine:
     """Encodes batches of jobs with one processor call and one forward each.
 
@@ -171,25 +179,28 @@ class EncoderEngine:
         self.adapter.before_batch(modality, jobs)
         items = [item for job in jobs for item in job.items]
         stages = self._process_then_forward(modality, items)
-        prepared, preprocess_s, rows, forward_s, preprocessed, forwarded = await asyncio.wrap_future(stages)
+        prepared, preprocess_s, rows, forward_s, preprocessed, forwarded, cpu = await asyncio.wrap_future(stages)
         self.metrics.preprocess.labels(modality, "processor").observe(preprocess_s)
         return self._parts(modality, jobs, prepared.layouts, rows, preprocess_s, forward_s, "replica=0",
-                           (dispatched, preprocessed - preprocess_s, preprocessed, forwarded - forward_s, forwarded))
+                           (dispatched, preprocessed - preprocess_s, preprocessed, forwarded - forward_s, forwarded),
+                           cpu)
 
     def _process_then_forward(self, modality: str, items: list[Any]) -> concurrent.futures.Future:
         """The processor in its thread, which then hands the batch to the forward's thread itself: the loop
         is woken once per batch, when the forward is done (a wake-up of another thread costs tens of
         microseconds, more on a VM). Resolves to (prepared, processor seconds, rows, forward seconds, when the
-        processor ended, when the forward ended), times from `time.perf_counter`."""
+        processor ended, when the forward ended, (processor CPU seconds, forward CPU seconds)), times from
+        `time.perf_counter`."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
-        def forward(prepared: PreparedBatch, preprocess_s: float, preprocessed: float) -> None:
+        def forward(prepared: PreparedBatch, preprocess_s: float, preprocessed: float, prepare_cpu: float) -> None:
             try:
-                rows, forward_s = _timed(self.adapter.forward, prepared)
+                rows, forward_s, forward_cpu = _timed_with_cpu(self.adapter.forward, prepared)
             except BaseException as exc:
                 _settle(done, exception=exc)
                 return
-            _settle(done, (prepared, preprocess_s, rows, forward_s, preprocessed, time.perf_counter()))
+            _settle(done, (prepared, preprocess_s, rows, forward_s, preprocessed, time.perf_counter(),
+                           (prepare_cpu, forward_cpu)))
 
         def failed(error: Exception) -> None:
             try:
@@ -200,13 +211,14 @@ class EncoderEngine:
         def process() -> None:
             try:
                 try:
-                    prepared, preprocess_s = _timed(self.adapter.processor.preprocess, modality, items)
+                    prepared, preprocess_s, prepare_cpu = _timed_with_cpu(self.adapter.processor.preprocess,
+                                                                          modality, items)
                 except Exception as exc:  # the processor failed: the forward's thread says so, in batch order
                     self._forward_pool.submit(failed, exc)
                     return
                 # The forward runs even for a batch that does not look right, so that tensor-parallel ranks
                 # reach their layout agreement together; the checks come after it.
-                self._forward_pool.submit(forward, prepared, preprocess_s, time.perf_counter())
+                self._forward_pool.submit(forward, prepared, preprocess_s, time.perf_counter(), prepare_cpu)
             except BaseException as exc:  # the engine is closing
                 _settle(done, exception=exc)
 
@@ -283,10 +295,12 @@ class EncoderEngine:
 
     def _parts(self, modality: str, jobs: Sequence[EncodeJob], layouts: Sequence[ItemLayout], rows: torch.Tensor,
                preprocess_s: float, forward_s: float, where: str,
-               times: tuple[float, float, float, float, float]) -> list[EncodedPart]:
+               times: tuple[float, float, float, float, float],
+               cpu: tuple[float, float] = (0.0, 0.0)) -> list[EncodedPart]:
         """Check the batch against what was admitted, then slice it once, per job, by the adapter. `times`
         (`time.perf_counter`): when the batch was dispatched, its preparation started and ended, its forward
-        started and ended; they go into the parts of a batch that holds a traced request."""
+        started and ended; they go into the parts of a batch that holds a traced request. `cpu`: the CPU seconds
+        of its processor and forward threads, where measured."""
         expected = [layout for job in jobs for layout in job.layouts]
         if list(layouts) != expected:
             raise RuntimeError(f"processor grids {list(layouts)} differ from the admitted layouts {expected}")
@@ -304,7 +318,8 @@ class EncoderEngine:
             batch = traced[0].tracing.batch_span(batch, traced, [job.req_id for job in jobs])
         return [
             EncodedPart(embedding=embedding, layouts=job.layouts, batch_size=len(jobs),
-                        timings=Timings(preprocess=(job.decode_s + preprocess_s) * 1e3, encode=forward_s * 1e3),
+                        timings=Timings(preprocess=(job.decode_s + preprocess_s) * 1e3, encode=forward_s * 1e3,
+                                        prepare_cpu=cpu[0] * 1e3, forward_cpu=cpu[1] * 1e3),
                         batch=batch)
             for job, embedding in zip(jobs, embeddings)
         ]

@@ -91,12 +91,16 @@ class Timings:
     preprocess: float = 0.0
     encode: float = 0.0
     transfer: float = 0.0
+    # The batch's CPU time in the processor's thread and in the forward's (not in the response: what the
+    # scheduler's overlap choice learns from); 0.0 where the engine did not measure it (a pool, a replica).
+    prepare_cpu: float = 0.0
+    forward_cpu: float = 0.0
 
     def with_queue(self, queue_ms: float) -> Timings:
-        return Timings(queue_ms, self.preprocess, self.encode, self.transfer)
+        return Timings(queue_ms, self.preprocess, self.encode, self.transfer, self.prepare_cpu, self.forward_cpu)
 
     def with_transfer(self, transfer_ms: float) -> Timings:
-        return Timings(self.queue, self.preprocess, self.encode, transfer_ms)
+        return Timings(self.queue, self.preprocess, self.encode, transfer_ms, self.prepare_cpu, self.forward_cpu)
 
     def as_json(self) -> dict[str, float]:
         return {"queue": self.queue, "preprocess": self.preprocess, "encode": self.encode,

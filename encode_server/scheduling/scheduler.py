@@ -388,8 +388,8 @@ class EncoderScheduler:
             return
         timings = results[0].timings
         self.costs.observe_batch(modality, len(live), sum(p.job.tokens for p in live), timings.encode / 1e3)
-        if self.overlap is not None:
-            choice = self.overlap.observe(timings.preprocess / 1e3, timings.encode / 1e3)
+        if self.overlap is not None and timings.forward_cpu > 0:  # the threads' CPU, not wall times (`overlap`)
+            choice = self.overlap.observe(timings.prepare_cpu / 1e3, timings.forward_cpu / 1e3)
             if choice.in_flight != self.max_in_flight:
                 log.info("scheduler: up to %d batch(es) in flight: %s", choice.in_flight, choice.reason)
                 self.max_in_flight = choice.in_flight

@@ -33,34 +33,35 @@ def test_the_choice_follows_the_share_of_preparation_with_a_band_that_keeps_the_
 
 
 def test_small_images_keep_one_batch_and_camera_images_overlap():
-    # Means a server on tiny-qwen2.5-vl reported in /server_info on a 2-core VM (busy with other work): 56x56
-    # JPEGs at concurrency 32 prepared in 2.1 ms of a 51.0 ms batch; 1280x720 and 1920x1080 JPEGs at
-    # concurrency 8 spent 711 ms preparing a batch for a 976 ms forward.
-    small = choose_overlap(0.0021, 0.0489, current=1)
+    # CPU means a server reported in /server_info on a 2-core VM: tiny-qwen2.5-vl, 56x56 PNGs at concurrency
+    # 64, prepared in 3.95 ms of CPU for 11.1 ms of forward (where one batch in flight served more requests a
+    # second); the camera checkpoint, 1280x720 and 1920x1080 JPEGs at concurrency 8, 64.7 ms preparing for
+    # 61.5 ms of forward (where two served more).
+    small = choose_overlap(0.00395, 0.0111, current=1)
     assert small.in_flight == 1 and "queue is not split" in small.reason
-    camera = choose_overlap(0.711, 0.976, current=1)
+    camera = choose_overlap(0.0647, 0.0615, current=1)
     assert camera.in_flight == 2 and "prepared during the forward" in camera.reason
-    assert choose_overlap(0.0021, 0.0489, current=2).in_flight == 1  # and back
+    assert choose_overlap(0.00395, 0.0111, current=2).in_flight == 1  # and back
 
 
 def test_the_running_choice_waits_for_enough_batches_then_adapts_both_ways():
     overlap = AdaptiveOverlap(initial=1)
     for _ in range(MIN_BATCHES - 1):
-        assert overlap.observe(0.711, 0.976).in_flight == 1  # not measured enough yet
-    assert overlap.observe(0.711, 0.976).in_flight == 2
+        assert overlap.observe(0.0647, 0.0615).in_flight == 1  # not measured enough yet
+    assert overlap.observe(0.0647, 0.0615).in_flight == 2
     changes = []
     for _ in range(40):  # the traffic turns to small images: back to one batch in flight, once
-        choice = overlap.observe(0.0021, 0.0489)
+        choice = overlap.observe(0.00395, 0.0111)
         if not changes or changes[-1] != choice.in_flight:
             changes.append(choice.in_flight)
     assert changes == [2, 1]
     for _ in range(40):  # and to camera images again
-        choice = overlap.observe(0.711, 0.976)
+        choice = overlap.observe(0.0647, 0.0615)
     assert choice.in_flight == 2
     summary = overlap.summary()
     assert summary["adaptive"] is True and summary["batches_in_flight"] == 2
-    assert summary["prepare_ms"] == pytest.approx(711, rel=0.01)
-    assert summary["forward_ms"] == pytest.approx(976, rel=0.01)
+    assert summary["prepare_cpu_ms"] == pytest.approx(64.7, rel=0.01)
+    assert summary["forward_cpu_ms"] == pytest.approx(61.5, rel=0.01)
 
 
 def test_negative_times_are_not_taken():

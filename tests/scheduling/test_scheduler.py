@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from encode_server.ops.metrics import ServerMetrics
-from encode_server.records import EncodeError
+from encode_server.records import EncodeError, Timings
 from encode_server.scheduling.policy import BatchPolicy
 from encode_server.scheduling.scheduler import EncoderScheduler
 from tests.support.fakes import FakeClock, FakeEngine, SchedulerRig, job, settle
@@ -282,3 +282,39 @@ def test_two_batches_in_flight_only_where_preparation_can_overlap_the_forward():
     assert batches_in_flight(on_accelerator=False, forward_threads=8, cores=16) == 2
     assert batches_in_flight(on_accelerator=True, forward_threads=1, cores=1) == 2  # a GPU's forward
     assert batches_in_flight(on_accelerator=False, forward_threads=1, cores=1, replicas=3) == 6
+
+
+class CostlyEngine(FakeEngine):
+    """Answers with the batch's given wall and CPU milliseconds of preparation and forward."""
+
+    def __init__(self, wall: tuple[float, float], cpu: tuple[float, float]) -> None:
+        super().__init__()
+        self.wall, self.cpu = wall, cpu
+
+    async def encode(self, modality, jobs):
+        parts = await super().encode(modality, jobs)
+        timings = Timings(preprocess=self.wall[0], encode=self.wall[1], prepare_cpu=self.cpu[0],
+                          forward_cpu=self.cpu[1])
+        return [part.with_timings(timings) for part in parts]
+
+
+@pytest.mark.parametrize("wall, cpu, chosen", [
+    ((10.2, 19.4), (3.95, 11.1), 1),  # 56x56 images with two in flight: a third of the wall time, a quarter of CPU
+    ((120.0, 100.0), (64.7, 61.5), 2),  # camera images: half of either
+    ((10.0, 20.0), (0.0, 0.0), 1),  # not measured (a pool, a replica): the count stands
+])
+async def test_the_overlap_follows_the_stages_cpu_time_not_their_wall_time(wall, cpu, chosen):
+    from encode_server.scheduling.overlap import AdaptiveOverlap
+
+    engine = CostlyEngine(wall, cpu)
+    clock = FakeClock()
+    scheduler = EncoderScheduler(engine, BatchPolicy(), ServerMetrics(), clock=clock, max_in_flight=1,
+                                 overlap=AdaptiveOverlap(1, min_batches=1))
+    scheduler.start()
+    try:
+        for index in range(3):
+            await scheduler.submit(job(f"r{index}"), deadline=clock.now() + 10)
+        assert scheduler.max_in_flight == chosen
+        assert scheduler.overlap_info()["batches_in_flight"] == chosen
+    finally:
+        await scheduler.stop()
