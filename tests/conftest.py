@@ -14,6 +14,7 @@ imported torch and transformers once (`tests/support/zygote.py`, through `tests.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -24,6 +25,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+# OpenCV amends LD_LIBRARY_PATH in os.environ as it is imported (for its subprocesses). Imported here, before any test
+# starts a zygote, so that the environment the zygotes are keyed by does not change halfway through a test worker's
+# run: otherwise the first test that decodes a video with it costs every later start a new zygote (seconds of imports).
+if importlib.util.find_spec("cv2") is not None:
+    import cv2  # noqa: F401
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker per core, but none (a plain serial run) when slow tests are selected:
