@@ -32,6 +32,18 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 if importlib.util.find_spec("cv2") is not None:
     import cv2  # noqa: F401
 
+@pytest.fixture(scope="session")
+def shared_hub(tmp_path_factory):
+    """(a Hub stand-in, an `HF_HOME`) for every test of this test worker that fetches by Hub id: their processes have
+    the same Hub variables (`hub_env`), so they fork from one zygote (a new environment costs a new one: seconds of
+    imports). Each test `add`s its repositories, under ids no other test uses (no test finds another's download in
+    the cache), and zeroes the counts before counting."""
+    from tests.support.hub_stand_in import HubStandIn
+
+    with HubStandIn({}) as hub:
+        yield hub, tmp_path_factory.mktemp("hf-home")
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker per core, but none (a plain serial run) when slow tests are selected:
     benchmarks and soaks measure the machine and must not share it."""

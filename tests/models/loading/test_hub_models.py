@@ -2,7 +2,7 @@
 
 No internet: `tests/support/hub_stand_in.py` serves tiny checkpoints (full models saved with `save_pretrained`,
 language model included, with their processor and tokenizer) on loopback in the Hub's file API, and
-`HF_ENDPOINT` points at it. The module shares one stand-in and one `HF_HOME` (the processes of one
+`HF_ENDPOINT` points at it. The tests share one stand-in and one `HF_HOME` (`shared_hub`: the processes of one
 environment fork from one zygote), and each test downloads its own repo ids, so that no test finds another's
 download in the cache. The stand-in counts the bytes it serves per file, so the tests check that the weights
 were read only in the encoder's byte ranges.
@@ -25,7 +25,7 @@ from tests.support.checkpoints.internvl import internvl_checkpoint
 from tests.support.checkpoints.qwen2_audio import qwen2_audio_checkpoint
 from tests.support.checkpoints.qwen_vl import QWEN_VL_TOKENS, qwen25_vl_checkpoint
 from tests.support.helpers import ServerProcess, run_python_module
-from tests.support.hub_stand_in import HubStandIn, commit_of, expected_bytes, header_of, hub_env, weight_files
+from tests.support.hub_stand_in import commit_of, expected_bytes, header_of, hub_env, weight_files
 from tests.support.tiny_parts import random_image, tiny_tokenizer
 
 OFFLINE_MESSAGE = ("is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 is set: run once with network access, "
@@ -53,22 +53,21 @@ def repos(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def stand_in(repos, tmp_path_factory):
-    """One stand-in for the module, so that every test's processes have the same `HF_ENDPOINT` and fork from the
-    same zygote (a new environment costs a new one: seconds of imports). Each test asks for its own repo ids, so
-    that what one test downloads is never another's cache hit."""
+def stand_in(repos, shared_hub, tmp_path_factory):
+    """The test worker's stand-in (`shared_hub`), so that every test's processes have the same `HF_ENDPOINT` and
+    fork from the same zygote (a new environment costs a new one: seconds of imports). Each test asks for its own
+    repo ids, so that what one test downloads is never another's cache hit."""
     no_weights = tmp_path_factory.mktemp("no-weights")  # a repository with a config but no safetensors (say, .bin)
     (no_weights / "config.json").write_text((repos["org/tiny"] / "config.json").read_text())
     tiny = repos["org/tiny"]
-    with HubStandIn({**repos, "org/tiny-dp": tiny, "org/tiny-offline": tiny, "org/gated": tiny,
-                     "org/bin-only": no_weights}, gated={"org/gated": "hf_secret"}) as hub:
-        yield hub
+    return shared_hub[0].add({**repos, "org/tiny-dp": tiny, "org/tiny-offline": tiny, "org/gated": tiny,
+                              "org/bin-only": no_weights}, gated={"org/gated": "hf_secret"})
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    """The module's `HF_HOME` (the Hub cache and the encoders' folders), shared like the stand-in."""
-    return tmp_path_factory.mktemp("hf-home")
+def home(shared_hub) -> Path:
+    """The `HF_HOME` (the Hub cache and the encoders' folders), shared like the stand-in."""
+    return shared_hub[1]
 
 
 @pytest.fixture
@@ -228,7 +227,7 @@ def test_other_families_from_the_hub_equal_their_local_folders(hub, home, tmp_pa
         "org/mistral3": mistral3_checkpoint(tmp_path / "mistral3")[1],
         "org/glm4v": write_processor_files(glm, "glm4v", "nested"),  # the grid towers
     }
-    hub.repos.update(folders)
+    hub.add(folders)
     result = run_python_module("tests.support.hub_family_check",
                                json.dumps({repo: str(folder) for repo, folder in folders.items()}),
                                env=hub_env(hub, home), timeout=500)
