@@ -26,11 +26,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-# OpenCV amends LD_LIBRARY_PATH in os.environ as it is imported (for its subprocesses). Imported here, before any test
-# starts a zygote, so that the environment the zygotes are keyed by does not change halfway through a test worker's
-# run: otherwise the first test that decodes a video with it costs every later start a new zygote (seconds of imports).
-if importlib.util.find_spec("cv2") is not None:
-    import cv2  # noqa: F401
+@pytest.fixture(scope="session", autouse=True)
+def steady_environment() -> None:
+    """Set, before any test starts a zygote, the variables that in-process code sets in os.environ as it runs: OpenCV's
+    import amends LD_LIBRARY_PATH (for its subprocesses), a Mooncake Store client sets MC_LOG_LEVEL, the nixl
+    transport leaves UCX's InfiniBand modules out where there is no RDMA device (UCX_MODULES). The zygotes are keyed
+    by the environment, so a variable that appeared halfway through a test worker's run would cost every later start
+    a new zygote (seconds of imports)."""
+    if importlib.util.find_spec("cv2") is not None:
+        import cv2  # noqa: F401
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # what encode_server.cache.store_client sets
+    if importlib.util.find_spec("msgpack") is not None:
+        from encode_server.transport.nixl import quiet_ucx_exit
+
+        quiet_ucx_exit()
+
 
 @pytest.fixture(scope="session")
 def shared_hub(tmp_path_factory):
