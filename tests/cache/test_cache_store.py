@@ -24,6 +24,7 @@ from tests.support.mooncake_store import (
     MAGIC,
     Master,
     peer,
+    pool,
     store_args,
     vllm_get,
     vllm_key,
@@ -42,6 +43,14 @@ def master():
         yield running
     finally:
         running.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_pool():
+    """(master, holder) for the tests that leave the master running and its marker alone: closing the peer that
+    lends the memory takes Mooncake about 2 s, so they share one. Each test's items (and so keys) are its own."""
+    with pool() as (master, holder):
+        yield master, holder
 
 
 def encode(server, image: bytes, req_id: str = "r") -> dict:
@@ -72,8 +81,8 @@ NAMESPACE = re.compile(r"^encode-server@model:(?P<model>[^@]+)@revision:default@
                        r"@dtype:torch\.float32@protocol:v3$")
 
 
-def test_a_pool_encodes_each_item_once(master):
-    holder = peer(master)
+def test_a_pool_encodes_each_item_once(shared_pool):
+    master, holder = shared_pool
     image = png_bytes(64, 48, seed=11)
     with InProcessServer(*store_args(master)) as first, InProcessServer(*store_args(master)) as second, \
             InProcessServer(*store_args(master)) as third:
@@ -111,7 +120,6 @@ def test_a_pool_encodes_each_item_once(master):
         assert body["batch_size"] == 0  # no forward served it
         assert body["items"][0]["cache_tier"] == "store" and store_info(restarted)["hits"] == 1
         assert np.array_equal(decode_embedding(body), decode_embedding(answer))
-    holder.close()
 
 
 def _keys_with_prefix(store, prefix: str) -> list[str]:
@@ -186,10 +194,10 @@ def test_a_master_down_at_start_is_joined_later():
             master.kill()
 
 
-def test_two_pods_encoding_one_item_at_once_both_answer_and_the_store_keeps_one_value(master):
+def test_two_pods_encoding_one_item_at_once_both_answer_and_the_store_keeps_one_value(shared_pool):
     import concurrent.futures
 
-    holder = peer(master)
+    master, holder = shared_pool
     image = png_bytes(56, 56, seed=21)
     with InProcessServer(*store_args(master)) as first, InProcessServer(*store_args(master)) as second:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -203,11 +211,10 @@ def test_two_pods_encoding_one_item_at_once_both_answer_and_the_store_keeps_one_
         value = bytes(holder.get(key))
         rows = decode_embedding(answers[0])
         assert np.array_equal(np.frombuffer(value[24:], "<f4").reshape(rows.shape), rows)
-    holder.close()
 
 
-def test_corrupt_objects_are_counted_misses_never_rows(master):
-    holder = peer(master)
+def test_corrupt_objects_are_counted_misses_never_rows(shared_pool):
+    master, holder = shared_pool
     kinds = ("truncated", "bad magic", "another dtype", "another width")
     images = {kind: png_bytes(48, 48, seed=31 + index) for index, kind in enumerate(kinds)}
     answers, keys = {}, {}
@@ -230,7 +237,6 @@ def test_corrupt_objects_are_counted_misses_never_rows(master):
             assert body["items"][0]["cached"] is False, kind  # encoded, not served from the bad object
             assert np.array_equal(decode_embedding(body), decode_embedding(answers[kind])), kind
             assert fresh.metric("encoder_cache_store_corrupt_total") == count, kind
-    holder.close()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the refused server's thread
@@ -261,8 +267,8 @@ def image_part(data: bytes, uuid: str | None = None) -> dict:
     return {**part, "uuid": uuid} if uuid else part
 
 
-def test_vllm_objects_both_ways(master, tmp_path):
-    holder = peer(master)
+def test_vllm_objects_both_ways(shared_pool, tmp_path):
+    master, holder = shared_pool
     with InProcessServer(*store_args(master, "--ec-storage", str(tmp_path / "ec"))) as server:
         width = httpx.get(server.url + "/server_info").json()["model"]["row_widths"]["image"]
         wait_for(lambda: forwards(server) >= 1, what="the start-up health probe's forward")
@@ -299,7 +305,6 @@ def test_vllm_objects_both_ways(master, tmp_path):
         value = vllm_get(holder, vllm_key("from-us"), 24 + ours.numel() * 4)  # as vLLM's load_tensors reads it
         assert struct.unpack_from("<IIQQ", value) == (MAGIC, FLOAT32_CODE, ours.shape[0], width)
         assert torch.equal(torch.from_numpy(np.frombuffer(value[24:], "<f4").reshape(ours.shape).copy()), ours)
-    holder.close()
 
 
 def test_a_store_with_no_memory_lent_yet_connects_and_publishes_once_it_has_some(master):

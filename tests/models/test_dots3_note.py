@@ -14,10 +14,7 @@ audio).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +33,7 @@ from tests.support.family_fixtures import (
     checkpoint_fixtures,
     spliced_rows,
 )
-from tests.support.helpers import ROOT, rel_diff
+from tests.support.helpers import rel_diff
 from tests.support.tiny_parts import random_image, video, waveform
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -192,23 +189,23 @@ def test_the_server_fuses_audio_requests_and_serves_images_and_video(checkpoint,
                                                          [4, 51, 9, 25], adapter, images()[0], videos()[0])
 
 
-def test_from_the_hub_only_the_towers_bytes_are_read_experts_included(checkpoint, tmp_path):
+def test_from_the_hub_only_the_towers_bytes_are_read_experts_included(checkpoint, shared_hub):
     """Through the Hub stand-in: the encoder-only folder holds every tower tensor (each expert's weights apart, as
     published) and no language-model tensor, and gives the local folder's rows bit for bit."""
-    from tests.support.hub_stand_in import HubStandIn, expected_bytes, header_of, hub_env
+    from tests.support.helpers import run_python_module
+    from tests.support.hub_stand_in import expected_bytes, header_of, hub_env
 
     folder = checkpoint[1]
-    with HubStandIn({"org/dots3": folder}) as hub:
-        env = hub_env(hub, tmp_path / "home")
-        repos = json.dumps({"org/dots3": str(folder)})
-        result = subprocess.run([sys.executable, "-m", "tests.support.hub_family_check", repos], cwd=ROOT,
-                                env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        outcome = json.loads(result.stdout.splitlines()[-1])["org/dots3"]
-        assert outcome["equal"] and outcome["family"] == "dots3_note", outcome
-        fetched = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
-        assert "vision_encoder.blocks.1.mlp.experts.3.fc1.weight" in fetched
-        assert not any(key.startswith(("model.", "lm_head")) for key in fetched)
-        assert all(key.startswith(("vision_encoder.", "audio_encoder.")) for key in fetched)
-        for name, size in expected_bytes(folder, fetched).items():
-            assert hub.served[("org/dots3", name)] == size, name
+    hub, home = shared_hub
+    hub.add({"org/dots3": folder}).reset_counts()
+    result = run_python_module("tests.support.hub_family_check", json.dumps({"org/dots3": str(folder)}),
+                               env=hub_env(hub, home), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.splitlines()[-1])["org/dots3"]
+    assert outcome["equal"] and outcome["family"] == "dots3_note", outcome
+    fetched = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
+    assert "vision_encoder.blocks.1.mlp.experts.3.fc1.weight" in fetched
+    assert not any(key.startswith(("model.", "lm_head")) for key in fetched)
+    assert all(key.startswith(("vision_encoder.", "audio_encoder.")) for key in fetched)
+    for name, size in expected_bytes(folder, fetched).items():
+        assert hub.served[("org/dots3", name)] == size, name

@@ -71,9 +71,9 @@ def test_an_audio_only_model_becomes_healthy_and_serves_the_models_rows(model_ty
     rate = sampling_rate(AutoProcessor.from_pretrained(folder))
     clips = sample_audio(rate)
     want = zoo_reference(folder, manifest, "audio", clips)
-    # a probe at most every 0.5 s: the /health answers below come from probes run after the requests
+    # a probe at most every 0.25 s: the /health answers below come from probes run after the requests
     with ServerProcess("--model", str(folder), "--preprocess-workers", workers,
-                       "--health-probe-interval-s", "0.5") as server:
+                       "--health-probe-interval-s", "0.25") as server:
         info = httpx.get(server.url + "/server_info").json()
         responses = [httpx.post(server.url + "/encode", timeout=120, json={
             "req_id": f"r{index}", "modality": "audio", "return_embedding": True, "mm_items": items})
@@ -81,7 +81,7 @@ def test_an_audio_only_model_becomes_healthy_and_serves_the_models_rows(model_ty
                                           + [[wav_b64(clip, rate) for clip in clips]])]
         health = []
         for _ in range(3):
-            time.sleep(0.6)
+            time.sleep(0.3)
             health.append(httpx.get(server.url + "/health", timeout=10))
         log = server.log()
     assert info["model"]["family"] == model_type and info["model"]["modalities"] == ["audio"]

@@ -108,10 +108,7 @@ def test_sharding_a_family_without_a_plan_is_refused(monkeypatch):
 
 def test_tp_size_2_with_a_family_without_a_plan_fails_at_start_with_the_message():
     # The qwen2_5_vl family with its plan removed, in the server process (rank 0); rank 1 is a fresh process.
-    code = ("import dataclasses, encode_server.models.registry as r, encode_server.models.families.qwen2_5_vl as q; "
-            "q.FAMILY = dataclasses.replace(q.FAMILY, shard=None); r.families.cache_clear(); "
-            "from encode_server.__main__ import main; main(['--tp-size', '2', '--port', '0'])")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    result = run_python_module("tests.support.no_plan_server", "--tp-size", "2", "--port", "0", timeout=180)
     assert result.returncode != 0
     assert "qwen2_5_vl: this family has no tensor-parallel plan, so --tp-size must be 1" in result.stderr
 

@@ -147,6 +147,8 @@ def test_every_documented_program_exists():
 def help_text(program: tuple[str, ...]) -> str:
     if program[1] == "-m":  # the module's entry point, forked from the test zygote (its working folder is ROOT)
         done = run_python_module(program[2], *program[3:], "--help", timeout=120)
+    elif program[0] == sys.executable and program[1].endswith(".py"):  # a script: forked from the zygote too
+        done = run_python_module(program[1], *program[2:], "--help", env={"PYTHONPATH": str(ROOT)}, timeout=120)
     else:
         done = subprocess.run([*program, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})

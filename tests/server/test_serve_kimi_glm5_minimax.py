@@ -60,35 +60,32 @@ def test_images_and_videos_batched_by_the_server_give_the_adapters_rows(model_ty
     assert responses[0].json()["batch_size"] == 2  # the two image requests were encoded together
 
 
-def test_from_the_hub_only_the_encoders_bytes_are_read_and_the_rows_equal_the_local_folders(tmp_path):
+def test_from_the_hub_only_the_encoders_bytes_are_read_and_the_rows_equal_the_local_folders(tmp_path, shared_hub):
     """By Hub id (the stand-in on loopback), each family downloads its encoder's tensors alone, Kimi K2.5's fused
     `wqkv` rows from a sharded checkpoint included, and gives the local folder's rows."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from tests.support.helpers import ROOT
-    from tests.support.hub_stand_in import HubStandIn, expected_bytes, header_of, hub_env, weight_files
+    from tests.support.helpers import run_python_module
+    from tests.support.hub_stand_in import expected_bytes, header_of, hub_env, weight_files
 
     folders = {f"org/{model_type}": build(tmp_path / model_type, **({"max_shard_size": "40KB"}
                                                                     if model_type == "kimi_k25" else {}))[1]
                for model_type, build in CHECKPOINTS.items()}
-    with HubStandIn(folders) as hub:
-        result = subprocess.run([sys.executable, "-m", "tests.support.hub_family_check",
-                                 json.dumps({repo: str(folder) for repo, folder in folders.items()})],
-                                cwd=ROOT, env={**os.environ, **hub_env(hub, tmp_path / "home")}, capture_output=True,
-                                text=True, timeout=500)
-        assert result.returncode == 0, result.stderr[-3000:]
-        outcomes = json.loads(result.stdout.splitlines()[-1])
-        for repo, folder in folders.items():
-            outcome = outcomes[repo]
-            assert outcome["equal"] and outcome["family"] == repo.removeprefix("org/"), (repo, outcome)
-            encoder_keys = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
-            all_keys = {key for keys in weight_files(folder).values() for key in keys}
-            assert encoder_keys < all_keys, repo
-            for name, size in expected_bytes(folder, encoder_keys).items():
-                assert hub.served[(repo, name)] == size, (repo, name)
+    hub, home = shared_hub
+    hub.add(folders).reset_counts()
+    result = run_python_module("tests.support.hub_family_check",
+                               json.dumps({repo: str(folder) for repo, folder in folders.items()}),
+                               env=hub_env(hub, home), timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.splitlines()[-1])
+    for repo, folder in folders.items():
+        outcome = outcomes[repo]
+        assert outcome["equal"] and outcome["family"] == repo.removeprefix("org/"), (repo, outcome)
+        encoder_keys = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
+        all_keys = {key for keys in weight_files(folder).values() for key in keys}
+        assert encoder_keys < all_keys, repo
+        for name, size in expected_bytes(folder, encoder_keys).items():
+            assert hub.served[(repo, name)] == size, (repo, name)
     assert any(key.endswith(".wqkv.weight") for key in header_of(
         Path(outcomes["org/kimi_k25"]["folder"]) / "model.safetensors")[1])

@@ -73,15 +73,22 @@ def test_a_second_sigint_while_draining_exits_at_once_with_503s_and_no_traceback
     assert logged + left_out == len(cut_short), (logged, left_out, len(cut_short))
 
 
+@pytest.fixture(scope="module")
+def stalled_hub_env(tmp_path_factory):
+    """The variables of a "Hub" that accepts connections and never answers (the fetch hangs); one for the module,
+    so that both signals' servers fork from one zygote (another environment costs another)."""
+    home = tmp_path_factory.mktemp("stalled-hub-home")
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(16)
+        yield {"HF_ENDPOINT": f"http://127.0.0.1:{stalled.getsockname()[1]}", "HF_HUB_OFFLINE": "0",
+               "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_TOKEN": "", "HF_HUB_DISABLE_TELEMETRY": "1",
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DOWNLOAD_TIMEOUT": "60"}
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_or_sigterm_while_the_model_is_fetched_exits_quietly_in_one_line(tmp_path, signum, code):
-    stalled = socket.socket()  # a "Hub" that accepts connections and never answers: the fetch hangs
-    stalled.bind(("127.0.0.1", 0))
-    stalled.listen(16)
-    hub = f"http://127.0.0.1:{stalled.getsockname()[1]}"
-    env = {"HF_ENDPOINT": hub, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub"),
-           "HF_TOKEN": "", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1", "HF_HUB_ETAG_TIMEOUT": "60",
-           "HF_HUB_DOWNLOAD_TIMEOUT": "60"}
+def test_ctrl_c_or_sigterm_while_the_model_is_fetched_exits_quietly_in_one_line(stalled_hub_env, signum, code):
+    env = stalled_hub_env
     process = python_module("encode_server", "--model", "org/stalled", "--port", "0", env=env, stderr_to_stdout=True)
     reader = LineReader(process.stdout, "resolving model org/stalled")
     try:
@@ -96,7 +103,6 @@ def test_ctrl_c_or_sigterm_while_the_model_is_fetched_exits_quietly_in_one_line(
         if process.poll() is None:
             process.kill()
             process.wait()
-        stalled.close()
     reader.thread.join(10)
     output = reader.text()
     assert status == code, output

@@ -28,14 +28,16 @@ def python_module(module: str, *args: str, env: dict[str, str] | None = None,
     """`python -m module *args` as a `subprocess.Popen` in text mode with its output on pipes (stderr apart, or
     with stdout), forked from a zygote for its environment (`tests/support/zygote.py`: the same entry point in a new
     process, without importing torch and transformers again); a new interpreter with `ZYGOTE=0`. `env` is added
-    to this process's environment; `environment` replaces it."""
+    to this process's environment; `environment` replaces it. A `module` that is a `.py` path is run as
+    `python SCRIPT *args`."""
     from tests.support.zygote import Zygote
 
     environment = {**os.environ, **(env or {})} if environment is None else environment
     zygote = Zygote.for_environment(environment)
     if zygote is not None:
         return zygote.start(module, list(args), environment, cwd, stderr_to_stdout)
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=environment, text=True,
+    command = [module] if module.endswith(".py") else ["-m", module]
+    return subprocess.Popen([sys.executable, *command, *args], cwd=cwd, env=environment, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
 
 

@@ -2,8 +2,10 @@
 load the encoder both ways and print, as JSON, whether their rows for the adapter's sample item are
 equal bit for bit, and where the Hub id's encoder-only folder is.
 
-A subprocess, because `huggingface_hub` reads `HF_ENDPOINT`, `HF_HOME` and `HF_HUB_OFFLINE` once, at import.
-Usage: `python -m tests.support.hub_family_check '{"org/name": "/path/to/full/folder", ...}'`.
+A subprocess, because `huggingface_hub` reads `HF_ENDPOINT`, `HF_HOME` and `HF_HUB_OFFLINE` once, at import
+(the tests run it with `run_python_module`: forked from the zygote of that environment).
+Usage: `python -m tests.support.hub_family_check '{"org/name": "/path/to/full/folder", ...}'`; with
+`--resolve org/name` it only prints the folder `resolve_model` gives (nothing loaded).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ def sample_rows(adapter) -> torch.Tensor:
 
 
 def main() -> None:
+    if sys.argv[1] == "--resolve":
+        print(resolve_model(sys.argv[2]))
+        return
     results = {}
     for hub_id, folder in json.loads(sys.argv[1]).items():
         from_hub = load_adapter(hub_id, "cpu", "float32")

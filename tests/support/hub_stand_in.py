@@ -56,6 +56,14 @@ class HubStandIn:
         assert self._server is not None
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
+    def add(self, repos: dict[str, Path], gated: dict[str, str] | None = None) -> HubStandIn:
+        """Serve these repositories too (a running stand-in shared by several tests: each adds its own ids; an id
+        already served from another folder is refused, since a shared cache would mix them up)."""
+        for repo, folder in repos.items():
+            assert self.repos.setdefault(repo, Path(folder)) == Path(folder), f"{repo} is served from another folder"
+        self.gated.update(gated or {})
+        return self
+
     def reset_counts(self) -> None:
         with self._lock:
             self.served.clear()

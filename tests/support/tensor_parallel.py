@@ -6,8 +6,8 @@
   is applied, and rank 0 writes per family the rows and their largest difference relative to the unsharded rows.
   Plain: images only, keyed by family name; with `--modalities`: every modality the model serves (images, videos,
   audio clips), keyed `family/modality`, with the count of sharded parameters.
-- `sharded_rows(jobs)`: for built-in models: `world` processes from multiprocessing's fork server (which imports
-  torch and the families once per test worker: importing them is the slow part). For each job `(family module,
+- `sharded_rows(jobs)`: for built-in models: `world` ranks of this module too (`... OUT_PT --builtins JOBS_PICKLE`),
+  forked from the test zygote (importing torch and the families is the slow part). For each job `(family module,
   built-in name, modality, items)` every rank builds the built-in model (bit-identical weights from its fixed
   seed), applies the family's plan over a CPU device mesh and runs one forward on the items; rank 0's rows come
   back, per job.
@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import multiprocessing
+import pickle
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-
-from encode_server.models.registry import FAMILY_MODULES
 
 IMAGE_SIZES = [(60, 45), (130, 40), (30, 90)]
 
@@ -42,11 +40,17 @@ def _free_port() -> int:
 
 def run_ranks(specs: list[str], out: Path, timeout: float, modalities: bool = False, world: int = 2) -> dict:
     """Start `world` ranks of this module on `specs` (`MODULE=FOLDER`); assert they exit 0; rank 0's results."""
+    _start_ranks(["--modalities", *specs] if modalities else specs, out, timeout, world)
+    return json.loads(out.read_text())
+
+
+def _start_ranks(args: list[str], out: Path, timeout: float, world: int) -> None:
+    """`world` ranks of this module, forked from the test zygote, with these arguments after `OUT`; assert they exit
+    0."""
     from tests.support.helpers import python_module
 
     init_url = f"tcp://127.0.0.1:{_free_port()}"
-    mode = ["--modalities"] if modalities else []
-    ranks = [python_module("tests.support.tensor_parallel", str(rank), str(world), init_url, str(out), *mode, *specs)
+    ranks = [python_module("tests.support.tensor_parallel", str(rank), str(world), init_url, str(out), *args)
              for rank in range(world)]
     try:
         outputs = [rank.communicate(timeout=timeout) for rank in ranks]
@@ -54,7 +58,6 @@ def run_ranks(specs: list[str], out: Path, timeout: float, modalities: bool = Fa
         for rank in ranks:
             rank.kill()
     assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
-    return json.loads(out.read_text())
 
 
 def items(modality: str, sampling_rate: int) -> list:
@@ -77,6 +80,9 @@ def main() -> None:
 
     rank, world, init_url, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     specs = sys.argv[5:]
+    if specs and specs[0] == "--builtins":
+        _builtin_rank(rank, world, init_url, pickle.loads(Path(specs[1]).read_bytes()), out)
+        return
     all_modalities = bool(specs) and specs[0] == "--modalities"
     specs = specs[1:] if all_modalities else specs
     dist.init_process_group("gloo", init_method=init_url, rank=rank, world_size=world)
@@ -106,35 +112,34 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-# --- built-in models: ranks from a fork server -------------------------------------------------------
+# --- built-in models -----------------------------------------------------------------------------------
 
-def _rank(rank: int, world: int, port: int, jobs: list[Job], results: dict) -> None:
+def _builtin_rank(rank: int, world: int, init_url: str, jobs: list[Job], out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init_url)
     try:
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (world,))
-        for index, (module, builtin, modality, batch) in enumerate(jobs):
+        results = []
+        for module, builtin, modality, batch in jobs:
             family = importlib.import_module(module).FAMILY
             adapter = family.builtins[builtin](torch.device("cpu"), torch.float32)
             family.shard(adapter, mesh)
-            rows = adapter.forward(adapter.processor.preprocess(modality, batch))
-            if rank == 0:
-                results[index] = rows.clone()
+            results.append(adapter.forward(adapter.processor.preprocess(modality, batch)))
+        if rank == 0:
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-def sharded_rows(jobs: list[Job], world: int = 2) -> list[torch.Tensor]:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        multiprocessing.set_forkserver_preload(["tests.support.tensor_parallel", "torch.distributed",
-                                                *FAMILY_MODULES])
-        mp.start_processes(_rank, args=(world, _free_port(), jobs, results), nprocs=world, join=True,
-                           start_method="forkserver")
-        return [results[index] for index in range(len(jobs))]
+def sharded_rows(jobs: list[Job], world: int = 2, timeout: float = 400) -> list[torch.Tensor]:
+    with tempfile.TemporaryDirectory(prefix="sharded-rows-") as folder:
+        jobs_path, out = Path(folder) / "jobs.pickle", Path(folder) / "rows.pt"
+        jobs_path.write_bytes(pickle.dumps(jobs))
+        _start_ranks(["--builtins", str(jobs_path)], out, timeout, world)
+        return torch.load(out)
 
 
 if __name__ == "__main__":

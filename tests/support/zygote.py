@@ -3,7 +3,8 @@ from one process per test worker (a zygote) that has imported torch, transformer
 families once, instead of a new interpreter importing them again (5-7 s of CPU each on a 2-core machine; a
 forked server is ready in under 1 s).
 
-The child is a real process running the real entry point (`runpy.run_module(MODULE)`, as `python -m` does)
+The child is a real process running the real entry point (`runpy.run_module(MODULE)`, as `python -m` does; for
+a MODULE that is a `.py` path, `runpy.run_path` with the script's folder first on `sys.path`, as `python SCRIPT`)
 with its own arguments, variables, working folder and output: signals, draining, exit codes, logs,
 preprocessing workers and ranks behave as in a new interpreter. The zygote takes only starts whose environment
 differs from its own in `FORKED_VARIABLES` alone (the server's `ENCODER_*`, which it reads as it parses its
@@ -135,11 +136,16 @@ def _run_module(request: dict, stdout_fd: int, stderr_fd: int) -> int:
     encode_server.IMPORTED_AT = time.monotonic()  # "started in" counts from this process's start, as it would
     module = request["module"]
     sys.argv = [module, *request["args"]]
+    if module.endswith(".py"):  # a script, as `python SCRIPT` runs it: its folder first on sys.path
+        sys.path[0] = os.path.dirname(os.path.abspath(module))
     for name in (module, f"{module}.__main__"):  # run afresh as __main__ (as `python -m` runs it), not reused
         if name in sys.modules and not hasattr(sys.modules[name], "__path__"):
             del sys.modules[name]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:  # as the interpreter does: a message goes to stderr with status 1
         if exc.code is None or isinstance(exc.code, int):

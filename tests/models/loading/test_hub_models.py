@@ -2,8 +2,10 @@
 
 No internet: `tests/support/hub_stand_in.py` serves tiny checkpoints (full models saved with `save_pretrained`,
 language model included, with their processor and tokenizer) on loopback in the Hub's file API, and
-`HF_ENDPOINT` points at it. Each test has its own `HF_HOME`. The stand-in counts the bytes it serves
-per file, so the tests check that the weights were read only in the encoder's byte ranges.
+`HF_ENDPOINT` points at it. The tests share one stand-in and one `HF_HOME` (`shared_hub`: the processes of one
+environment fork from one zygote), and each test downloads its own repo ids, so that no test finds another's
+download in the cache. The stand-in counts the bytes it serves per file, so the tests check that the weights
+were read only in the encoder's byte ranges.
 """
 
 from __future__ import annotations
@@ -11,10 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -25,8 +24,8 @@ from PIL import Image
 from tests.support.checkpoints.internvl import internvl_checkpoint
 from tests.support.checkpoints.qwen2_audio import qwen2_audio_checkpoint
 from tests.support.checkpoints.qwen_vl import QWEN_VL_TOKENS, qwen25_vl_checkpoint
-from tests.support.helpers import ROOT, ServerProcess, run_python_module
-from tests.support.hub_stand_in import HubStandIn, commit_of, expected_bytes, header_of, hub_env, weight_files
+from tests.support.helpers import ServerProcess, run_python_module
+from tests.support.hub_stand_in import commit_of, expected_bytes, header_of, hub_env, weight_files
 from tests.support.tiny_parts import random_image, tiny_tokenizer
 
 OFFLINE_MESSAGE = ("is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 is set: run once with network access, "
@@ -53,14 +52,29 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture
-def hub(repos, tmp_path):
-    no_weights = tmp_path / "no-weights"  # a repository with a config but no safetensors (say, only .bin)
-    no_weights.mkdir()
+@pytest.fixture(scope="module")
+def stand_in(repos, shared_hub, tmp_path_factory):
+    """The test worker's stand-in (`shared_hub`), so that every test's processes have the same `HF_ENDPOINT` and
+    fork from the same zygote (a new environment costs a new one: seconds of imports). Each test asks for its own
+    repo ids, so that what one test downloads is never another's cache hit."""
+    no_weights = tmp_path_factory.mktemp("no-weights")  # a repository with a config but no safetensors (say, .bin)
     (no_weights / "config.json").write_text((repos["org/tiny"] / "config.json").read_text())
-    with HubStandIn({**repos, "org/gated": repos["org/tiny"], "org/bin-only": no_weights},
-                    gated={"org/gated": "hf_secret"}) as stand_in:
-        yield stand_in
+    tiny = repos["org/tiny"]
+    return shared_hub[0].add({**repos, "org/tiny-dp": tiny, "org/tiny-offline": tiny, "org/gated": tiny,
+                              "org/bin-only": no_weights}, gated={"org/gated": "hf_secret"})
+
+
+@pytest.fixture(scope="module")
+def home(shared_hub) -> Path:
+    """The `HF_HOME` (the Hub cache and the encoders' folders), shared like the stand-in."""
+    return shared_hub[1]
+
+
+@pytest.fixture
+def hub(stand_in):
+    """The module's stand-in, its counts zeroed for this test."""
+    stand_in.reset_counts()
+    return stand_in
 
 
 def start_fails(model: str, env: dict[str, str]) -> str:
@@ -97,14 +111,14 @@ def served_rows(url: str) -> list[np.ndarray]:
 
 # --- the server on a Hub id ----------------------------------------------------------------------
 
-def test_hub_id_serves_the_local_folders_rows_reading_only_the_encoders_bytes(hub, repos, tmp_path):
+def test_hub_id_serves_the_local_folders_rows_reading_only_the_encoders_bytes(hub, repos, home):
     folder = repos["org/tiny"]
     encoder_keys = {key for key in header_of(folder / "model.safetensors")[1] if key.startswith("visual.")}
     full_size = (folder / "model.safetensors").stat().st_size
     with ServerProcess("--model", str(folder)) as server:
         want = served_rows(server.url)
 
-    env = hub_env(hub, tmp_path / "home")
+    env = hub_env(hub, home)
     with ServerProcess("--model", "org/tiny@main", "--log-level", "info", env=env) as server:
         assert httpx.get(server.url + "/server_info").json()["model"]["name"] == "org/tiny@main"
         got = served_rows(server.url)
@@ -119,7 +133,7 @@ def test_hub_id_serves_the_local_folders_rows_reading_only_the_encoders_bytes(hu
     assert "HTTP Request" not in log and "/resolve/" not in log and hub.url not in log, log
     assert "it/s]" not in log and "%|" not in log, log
 
-    cached = tmp_path / "home" / "encode-server" / "org--tiny" / commit_of("org/tiny")
+    cached = home / "encode-server" / "org--tiny" / commit_of("org/tiny")
     assert set(header_of(cached / "model.safetensors")[1]) == encoder_keys
     assert {"config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja", "generation_config.json"} <= {p.name for p in cached.iterdir()}
@@ -132,26 +146,25 @@ def test_hub_id_serves_the_local_folders_rows_reading_only_the_encoders_bytes(hu
     assert hub.requests == []
 
 
-def test_data_parallel_replicas_load_the_folder_downloaded_once(hub, repos, tmp_path):
-    folder = repos["org/tiny"]
+def test_data_parallel_replicas_load_the_folder_downloaded_once(hub, repos, home):
+    folder = repos["org/tiny"]  # served as org/tiny-dp too, which no other test downloads
     with ServerProcess("--model", str(folder)) as server:
         want = served_rows(server.url)
     encoder_keys = {key for key in header_of(folder / "model.safetensors")[1] if key.startswith("visual.")}
-    with ServerProcess("--model", "org/tiny", "--dp-size", "2", env=hub_env(hub, tmp_path / "home")) as server:
+    with ServerProcess("--model", "org/tiny-dp", "--dp-size", "2", env=hub_env(hub, home)) as server:
         ranks = httpx.get(server.url + "/server_info").json()["ranks"]
         got = served_rows(server.url)
     assert len(ranks) == 2 and all(np.array_equal(a, b) for a, b in zip(got, want))
-    assert hub.served[("org/tiny", "model.safetensors")] == expected_bytes(folder, encoder_keys)["model.safetensors"]
-    assert hub.requests.count(("GET", "/api/models/org/tiny/revision/main", None)) == 1, \
+    assert hub.served[("org/tiny-dp", "model.safetensors")] == expected_bytes(folder, encoder_keys)["model.safetensors"]
+    assert hub.requests.count(("GET", "/api/models/org/tiny-dp/revision/main", None)) == 1, \
         "only the first rank asks the Hub which commit main is"
 
 
-def test_sharded_hub_model_reads_only_the_shards_and_ranges_of_the_encoder(hub, repos, tmp_path):
+def test_sharded_hub_model_reads_only_the_shards_and_ranges_of_the_encoder(hub, repos, home):
     folder = repos["org/tiny-sharded"]
-    env = hub_env(hub, tmp_path / "home")
-    result = subprocess.run([sys.executable, "-m", "tests.support.hub_family_check",
-                             json.dumps({"org/tiny-sharded": str(folder)})], cwd=ROOT, env={**os.environ, **env},
-                            capture_output=True, text=True, timeout=300)
+    env = hub_env(hub, home)
+    result = run_python_module("tests.support.hub_family_check", json.dumps({"org/tiny-sharded": str(folder)}),
+                               env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])["org/tiny-sharded"]
     assert outcome["equal"] and outcome["name"] == "org/tiny-sharded"
@@ -164,23 +177,21 @@ def test_sharded_hub_model_reads_only_the_shards_and_ranges_of_the_encoder(hub, 
         assert hub.served[("org/tiny-sharded", name)] == size, name
 
     hub.reset_counts()  # a later start online: one request, which commit `main` is, and the same folder
-    code = "import encode_server.models; print(encode_server.models.resolve_model('org/tiny-sharded'))"
-    again = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
-                           text=True, timeout=120)
+    again = run_python_module("tests.support.hub_family_check", "--resolve", "org/tiny-sharded", env=env, timeout=120)
     assert again.returncode == 0 and again.stdout.strip() == outcome["folder"], again.stderr
     assert hub.requests == [("GET", "/api/models/org/tiny-sharded/revision/main", None)]
 
 
 # --- clear failures -------------------------------------------------------------------------------
 
-def test_offline_and_not_cached_fails_with_the_message(hub, tmp_path):
-    stderr = start_fails("org/tiny", hub_env(hub, tmp_path / "home", HF_HUB_OFFLINE="1"))
-    assert f"org/tiny {OFFLINE_MESSAGE}" in stderr, stderr
+def test_offline_and_not_cached_fails_with_the_message(hub, home):
+    stderr = start_fails("org/tiny-offline", hub_env(hub, home, HF_HUB_OFFLINE="1"))  # served, never downloaded
+    assert f"org/tiny-offline {OFFLINE_MESSAGE}" in stderr, stderr
     assert len(stderr.strip().splitlines()[-1]) < 300 and hub.requests == []
 
 
-def test_unknown_repo_revision_no_safetensors_and_gated_repo_fail_with_the_fix(hub, tmp_path):
-    env = hub_env(hub, tmp_path / "home")
+def test_unknown_repo_revision_no_safetensors_and_gated_repo_fail_with_the_fix(hub, home):
+    env = hub_env(hub, home)
     stderr = start_fails("org/missing", env)
     assert f"no model repository org/missing on {hub.url}" in stderr.strip().splitlines()[-1], stderr
     stderr = start_fails("org/tiny@no-such-branch", env)
@@ -193,17 +204,6 @@ def test_unknown_repo_revision_no_safetensors_and_gated_repo_fail_with_the_fix(h
     assert "org/gated is a gated repository" in stderr and "set HF_TOKEN" in stderr.strip().splitlines()[-1], stderr
 
 
-def test_gated_repo_with_its_token_and_a_commit_revision(hub, repos, tmp_path):
-    commit = commit_of("org/gated")
-    env = hub_env(hub, tmp_path / "home", HF_TOKEN="hf_secret")
-    result = subprocess.run([sys.executable, "-m", "tests.support.hub_family_check",
-                             json.dumps({f"org/gated@{commit}": str(repos["org/tiny"])})],
-                            cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    outcome = json.loads(result.stdout.splitlines()[-1])[f"org/gated@{commit}"]
-    assert outcome["equal"] and Path(outcome["folder"]).name == commit
-
-
 def test_unknown_name_still_lists_the_builtin_models(tmp_path):
     stderr = start_fails("no-such-model", {})  # neither a built-in, a path, nor org/name
     assert "unknown model" in stderr and "tiny-qwen2.5-vl" in stderr and "org/name" in stderr, stderr
@@ -213,7 +213,7 @@ def test_unknown_name_still_lists_the_builtin_models(tmp_path):
 
 # --- every way a family chooses its tensors ----------------------------------------------------------
 
-def test_other_families_from_the_hub_equal_their_local_folders(tmp_path):
+def test_other_families_from_the_hub_equal_their_local_folders(hub, home, tmp_path):
     from tests.support.checkpoints.gemma3 import gemma3_checkpoint
     from tests.support.checkpoints.grid_vision import build_model, write_processor_files
     from tests.support.checkpoints.mistral3 import mistral3_checkpoint
@@ -227,18 +227,29 @@ def test_other_families_from_the_hub_equal_their_local_folders(tmp_path):
         "org/mistral3": mistral3_checkpoint(tmp_path / "mistral3")[1],
         "org/glm4v": write_processor_files(glm, "glm4v", "nested"),  # the grid towers
     }
-    with HubStandIn(folders) as hub:
-        env = hub_env(hub, tmp_path / "home")
-        result = subprocess.run([sys.executable, "-m", "tests.support.hub_family_check",
-                                 json.dumps({repo: str(folder) for repo, folder in folders.items()})],
-                                cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=500)
-        assert result.returncode == 0, result.stderr
-        outcomes = json.loads(result.stdout.splitlines()[-1])
-        for repo, folder in folders.items():
-            outcome = outcomes[repo]
-            assert outcome["equal"], (repo, outcome)
-            encoder_keys = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
-            all_keys = {key for keys in weight_files(folder).values() for key in keys}
-            assert encoder_keys < all_keys, repo
-            for name, size in expected_bytes(folder, encoder_keys).items():
-                assert hub.served[(repo, name)] == size, (repo, name)
+    hub.add(folders)
+    result = run_python_module("tests.support.hub_family_check",
+                               json.dumps({repo: str(folder) for repo, folder in folders.items()}),
+                               env=hub_env(hub, home), timeout=500)
+    assert result.returncode == 0, result.stderr
+    outcomes = json.loads(result.stdout.splitlines()[-1])
+    for repo, folder in folders.items():
+        outcome = outcomes[repo]
+        assert outcome["equal"], (repo, outcome)
+        encoder_keys = set(header_of(Path(outcome["folder"]) / "model.safetensors")[1])
+        all_keys = {key for keys in weight_files(folder).values() for key in keys}
+        assert encoder_keys < all_keys, repo
+        for name, size in expected_bytes(folder, encoder_keys).items():
+            assert hub.served[(repo, name)] == size, (repo, name)
+
+
+def test_gated_repo_with_its_token_and_a_commit_revision(hub, repos, home):
+    # Last in the module: its token makes another environment (another zygote), after which the ones of the
+    # tests above are needed no more.
+    commit = commit_of("org/gated")
+    env = hub_env(hub, home, HF_TOKEN="hf_secret")
+    result = run_python_module("tests.support.hub_family_check",
+                               json.dumps({f"org/gated@{commit}": str(repos["org/tiny"])}), env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.splitlines()[-1])[f"org/gated@{commit}"]
+    assert outcome["equal"] and Path(outcome["folder"]).name == commit
