@@ -29,7 +29,7 @@ from encode_server.engine import EncoderEngine
 from encode_server.media.decoding import MediaError, MediaLimits, decode_bytes
 from encode_server.media.loader import MediaLoader
 from encode_server.media.priority_pool import PriorityThreadPool
-from encode_server.models import EncoderAdapter, ItemError, ItemLayout
+from encode_server.models import EncoderAdapter, ItemError, ItemLayout, Processor
 from encode_server.ops.cores import usable_cores
 from encode_server.ops.health import HealthProbe, fit_sample
 from encode_server.ops.metrics import ServerMetrics
@@ -99,6 +99,12 @@ def zmq_delivery(settings: Settings, adapter: EncoderAdapter, metrics: ServerMet
                     settings.send_timeout_s, settings.req_timeout_s + settings.send_timeout_s)
 
 
+def processor_threads(overlap_adaptive: bool, processor: Processor) -> int:
+    """The engine's processor threads: two where the overlap is adaptive (two batches may be in flight, and
+    then both may prepare at once) and the processor takes two callers at once; one elsewhere."""
+    return 2 if overlap_adaptive and processor.concurrent_calls else 1
+
+
 def build_engine_and_scheduler(settings: Settings, adapter: EncoderAdapter, group: WorkerGroup | None,
                                metrics: ServerMetrics, preprocess_pool: PreprocessPool | None, clock: Clock,
                                costs: CostModel) -> tuple[EncoderEngine, EncoderScheduler]:
@@ -110,8 +116,9 @@ def build_engine_and_scheduler(settings: Settings, adapter: EncoderAdapter, grou
                                   settings.dp_size)
     adaptive = preprocess_pool is None and in_flight == 1
     # Where the overlap is adaptive it may allow two batches in flight; they may then both prepare at once,
-    # preparation being the longer stage there.
-    engine = EncoderEngine(adapter, metrics, replicas, preprocess_pool, processor_threads=2 if adaptive else 1)
+    # preparation being the longer stage there, with a processor that takes two callers at once.
+    engine = EncoderEngine(adapter, metrics, replicas, preprocess_pool,
+                           processor_threads=processor_threads(adaptive, adapter.processor))
     policy = batch_policy(settings)
     if engine.can_prefetch:
         # The pool prepares up to a batch's worth of queued requests ahead; a batch takes the ready ones,

@@ -4,8 +4,9 @@ Stage one (the processor's thread) calls the model's processor once for all item
 two (the forward's thread) runs the encoder forward. While batch N is in the forward, batch N+1 is in
 the processor, so the device does not wait for the CPU. The processor's thread queues its batch for the forward
 itself, so the next forward never waits for the event loop's turn. Where the scheduler's overlap is adaptive
-(a CPU server: `scheduling.overlap`) the processor has two threads, so when preparing is the longer stage the
-two batches in flight prepare side by side, each going to the forward when it is ready. After the forward, the adapter
+(a CPU server: `scheduling.overlap`) and the processor takes two callers at once (`Processor.concurrent_calls`),
+the processor has two threads, so when preparing is the longer stage the two batches in flight prepare side by
+side, each going to the forward when it is ready. After the forward, the adapter
 slices the rows once, per request, by the model's own grid (checked against the forward's row
 count), and each job gets an `EncodedPart` holding its view of the batch's rows.
 

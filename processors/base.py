@@ -118,6 +118,10 @@ class Processor(ABC):
     modalities: tuple[str, ...]
     #: The audio sampling rate items are decoded at (the feature extractor's; 16 kHz for a model without audio).
     sampling_rate: int = 16000
+    #: Whether `preprocess` may run for two batches at once, in two threads: a processor that keeps no state
+    #: between calls and calls nothing that does (a Rust tokenizer, for one, refuses a second caller while its
+    #: settings change), so the engine may prepare two batches side by side with it.
+    concurrent_calls: bool = False
 
     def supports(self, modality: str) -> bool:
         return modality in self.modalities

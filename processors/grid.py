@@ -33,6 +33,9 @@ ImageSize = Callable[[int, int], tuple[int, int]]
 class GridProcessor(Processor):
     """Images through the folder's image processor, videos through a video patcher, on one patch grid."""
 
+    # Image and video processors, table lookups and tensor ops only: nothing kept or changed between calls.
+    concurrent_calls = True
+
     def __init__(self, image_processor: Any, video: Any, image_size: ImageSize, video_timestamps: bool = False,
                  modalities: tuple[str, ...] = ("image", "video")) -> None:
         # Imported here: it imports transformers' Qwen2-VL and GLM-4V processors.

@@ -67,3 +67,13 @@ def test_two_processor_threads_prepare_two_batches_at_once(adapter, monkeypatch,
     for result, one in zip(results, jobs):  # each batch's rows are its own image's
         expected = adapter.forward(adapter.processor.inner.preprocess("image", list(one.items)))
         torch.testing.assert_close(result.embedding, expected)
+
+
+def test_two_threads_only_where_the_overlap_adapts_and_the_processor_takes_two_callers(adapter):
+    from encode_server.assembly import processor_threads
+
+    internvl = load_adapter("tiny-internvl", "cpu", "float32")
+    assert adapter.processor.concurrent_calls and not internvl.processor.concurrent_calls
+    assert processor_threads(True, adapter.processor) == 2  # Qwen's grid processor, on a CPU server
+    assert processor_threads(False, adapter.processor) == 1  # a GPU, a pool, free cores: no adaptive overlap
+    assert processor_threads(True, internvl.processor) == 1  # a processor not known to take two callers
