@@ -18,6 +18,10 @@ then three closed loops over the same images, batches of `--batch-size`:
 
     python benchmarks/camera.py --mode inprocess,pool --seconds 20
     THP_MEM_ALLOC_ENABLE=1 python benchmarks/camera.py --mode inprocess,pool --workers 2
+    THP_MEM_ALLOC_ENABLE=1 python benchmarks/camera.py --mode inprocess,service --workers 0 --seconds 15 \
+        --requests 192 --concurrency 8 --rounds 5 --server-arg=--max-wait-ms=5 --server-arg=--cache-bytes=0
+
+`--rounds` alternates the modes and prints the median ratio: the machine's speed drifts from minute to minute.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import contextlib
 import io
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections import deque
@@ -292,6 +297,20 @@ def run_service(images: list[bytes], workers: int, concurrency: int, requests: i
             "load_generator_busy_cores": round(client_cpu_s / wall, 2)}
 
 
+def run_mode(mode: str, args: argparse.Namespace, images: list[bytes], workers: int) -> dict:
+    """One measurement of `mode` (stages, inprocess, pool or service) with the command line's settings."""
+    if mode == "service":
+        device = "cuda" if args.tower != "tiny" and torch.cuda.is_available() else "cpu"
+        checkpoint = camera_checkpoint(checkpoint_folder(args.tower), args.tower, device)
+        return run_service(images, workers, args.concurrency, args.requests, args.server_arg, checkpoint)
+    adapter = camera_tower()
+    if mode == "stages":
+        return run_stages(adapter, images)
+    if mode == "inprocess":
+        return run_inprocess(adapter, images, args.batch_size, args.seconds)
+    return run_pool(adapter, images, args.batch_size, args.seconds, workers)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="inprocess,pool",
@@ -308,34 +327,36 @@ def main(argv=None) -> None:
                         help="service mode: the checkpoint's vision tower (7b: Qwen2.5-VL-7B's shape, for a GPU)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="service mode: one more server flag (repeat), e.g. --server-arg=--preprocess-device=cuda")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the modes this many times, alternating, and print the median ratio: the "
+                             "machine's speed drifts between minutes, so one round's ratio can stray")
     parser.add_argument("--out", help="append the results as JSON lines to this file")
     args = parser.parse_args(argv)
     print(describe_machine()[1], flush=True)
     workers = len(os.sched_getaffinity(0)) if args.workers is None else args.workers
     images = camera_jpegs(args.images)
     results = []
-    for mode in args.mode.split(","):
-        if mode == "service":
-            device = "cuda" if args.tower != "tiny" and torch.cuda.is_available() else "cpu"
-            checkpoint = camera_checkpoint(checkpoint_folder(args.tower), args.tower, device)
-            result = run_service(images, workers, args.concurrency, args.requests, args.server_arg, checkpoint)
-        else:
-            adapter = camera_tower()
-            if mode == "stages":
-                result = run_stages(adapter, images)
-            elif mode == "inprocess":
-                result = run_inprocess(adapter, images, args.batch_size, args.seconds)
-            else:
-                result = run_pool(adapter, images, args.batch_size, args.seconds, workers)
-        print(json.dumps(result), flush=True)
-        results.append(result)
-    by_mode = {r["mode"]: r for r in results}
-    if "inprocess" in by_mode:
-        base = by_mode["inprocess"]["images_per_s"]
-        for mode in ("pool", "service"):
-            if mode in by_mode:
-                rate = by_mode[mode].get("images_per_s") or by_mode[mode].get("throughput_rps")
-                print(f"{mode} / inprocess on one core: {rate:.2f} / {base:.2f} = {rate / base:.2f}x", flush=True)
+    ratios: dict[str, list[float]] = {}
+    for round_ in range(1, args.rounds + 1):
+        by_mode = {}
+        for mode in args.mode.split(","):
+            result = run_mode(mode, args, images, workers)
+            if args.rounds > 1:
+                result["round"] = round_
+            print(json.dumps(result), flush=True)
+            results.append(result)
+            by_mode[mode] = result
+        if "inprocess" in by_mode:
+            base = by_mode["inprocess"]["images_per_s"]
+            for mode in ("pool", "service"):
+                if mode in by_mode:
+                    rate = by_mode[mode].get("images_per_s") or by_mode[mode].get("throughput_rps")
+                    ratios.setdefault(mode, []).append(rate / base)
+                    print(f"{mode} / inprocess on one core: {rate:.2f} / {base:.2f} = {rate / base:.2f}x", flush=True)
+    if args.rounds > 1:
+        for mode, values in ratios.items():
+            print(f"{mode} / inprocess over {len(values)} rounds: median {statistics.median(values):.2f}x "
+                  f"[{min(values):.2f}-{max(values):.2f}]", flush=True)
     if args.out:
         with open(args.out, "a") as sink:
             for result in results:
