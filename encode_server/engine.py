@@ -98,16 +98,12 @@ class EncoderEngine:
         self._prefetched: dict[int, tuple[EncodeJob, concurrent.futures.Future]] = {}
         # With two, two batches in flight may both be in the processor at once (where preparing is the longer
         # stage: camera images on a CPU); each goes to the forward when it is ready.
+        self.processor_threads = processor_threads
         self._processor_thread = ThreadPoolExecutor(processor_threads, thread_name_prefix="encoder-processor",
                                                     initializer=name_os_thread)
         self._forward_pool = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward", initializer=name_os_thread)
         self._batch_ids = itertools.count(1)  # each batch's id, in its log line and its trace
         self.batch_log = BatchLog()
-
-    @property
-    def processor_threads(self) -> int:
-        """How many batches may be in the processor at once."""
-        return self._processor_thread._max_workers
 
     @property
     def can_prefetch(self) -> bool:
