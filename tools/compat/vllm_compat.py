@@ -593,14 +593,19 @@ def build_new_family(name: str, folder: Path) -> Path:
 def consumer_folder(name: str, folder: Path) -> Path:
     """The folder the vLLM consumer is started on: the checkpoint itself, except for Dots3-Note, whose vLLM config
     class is a flat DeepSeek-V3 config: a copy with the text fields at the top level and no `text_config` (the
-    weights and processor files are the same)."""
+    weights and processor files are the same), naming the architecture vLLM registers for Dots3-Note
+    (`Dots3NoteForCausalLM`, where transformers saves its own class name). The text config's empty
+    `per_layer_config`, which this server's newer transformers writes for every layer stack, is left out of that
+    copy: the side venv's older transformers takes any `per_layer_config`, even an empty one, for a heterogeneous
+    model, which vLLM refuses for MLA."""
     if name != "dots3_note":
         return folder
     copy = folder.with_name(folder.name + "-vllm")
     shutil.copytree(folder, copy, dirs_exist_ok=True)
     config = json.loads((copy / "config.json").read_text())
     config.update({key: value for key, value in config.pop("text_config", {}).items()
-                   if key not in ("model_type", "architectures")})
+                   if key not in ("model_type", "architectures") and not (key == "per_layer_config" and not value)})
+    config["architectures"] = ["Dots3NoteForCausalLM"]
     (copy / "config.json").write_text(json.dumps(config))
     return copy
 
