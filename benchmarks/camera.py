@@ -49,11 +49,18 @@ from encode_server.bench.machine import describe_machine
 QWEN25_MIN_PIXELS, QWEN25_MAX_PIXELS = 3136, 12845056
 CAMERA_SIZES = ((1280, 720), (1920, 1080))
 #: Vision towers the checkpoint can carry: `tiny` (one windowed block, width 32: a small fraction of a camera
-#: image's preprocessing on a CPU, as a real tower's forward on a GPU would be) and `7b`, the published
-#: Qwen2.5-VL-7B vision tower's shape (32 blocks, width 1,280, full attention in blocks 7/15/23/31), for a GPU.
+#: image's preprocessing on a CPU, as a real tower's forward on a GPU would be); `windowed`, the `tiny-qwen2.5-vl`
+#: tower's shape with every block windowed (as 28 of Qwen2.5-VL-7B's 32 are), whose forward grows with a camera
+#: image's patches, not with their square; `tiny-qwen2.5-vl`, that tower itself (two full-attention blocks: a camera
+#: image's forward takes seconds on a CPU); and `7b`, the published Qwen2.5-VL-7B vision tower's shape (32 blocks,
+#: width 1,280, full attention in blocks 7/15/23/31), for a GPU.
 VISION_TOWERS = {
     "tiny": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
                  fullatt_block_indexes=[]),
+    "windowed": dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=128,
+                     fullatt_block_indexes=[]),
+    "tiny-qwen2.5-vl": dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=128,
+                            fullatt_block_indexes=[1, 3]),
     "7b": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                fullatt_block_indexes=[7, 15, 23, 31]),
 }
@@ -87,7 +94,7 @@ def camera_checkpoint(folder: Path = DEFAULT_CHECKPOINT, tower: str = "tiny", de
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(1234)
         model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    if tower != "tiny":
+    if tower == "7b":
         model = model.to(torch.bfloat16)  # half the bytes to write and load; the server computes in bf16 anyway
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(staging)
