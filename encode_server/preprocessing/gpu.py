@@ -24,18 +24,18 @@ class PreprocessDeviceError(ValueError):
     """`--preprocess-device cuda` cannot be honoured here (said at start-up)."""
 
 
-def pil_backend_class(pil_processor: Any) -> type:
+def stock_class(processor: Any) -> type:
     """The `transformers` class of a processor: its own class, or for our fast copies (`processors/fast_patches.py`)
     the stock class they derive from (PIL-backend or torchvision-backend)."""
-    for cls in type(pil_processor).__mro__:
+    for cls in type(processor).__mro__:
         if cls.__module__.startswith("transformers.models."):
             return cls
-    return type(pil_processor)
+    return type(processor)
 
 
 def fast_twin(pil_processor: Any) -> Any:
     """The torchvision-backend image processor with the same settings as a PIL-backend one."""
-    cls = pil_backend_class(pil_processor)
+    cls = stock_class(pil_processor)
     module = cls.__module__
     if ".image_processing_" in module and ".image_processing_pil_" not in module and \
             not cls.__name__.endswith("Pil") and hasattr(pil_processor, "_preprocess"):

@@ -135,10 +135,10 @@ def test_the_qwen_and_glm4v_adapters_use_it():
 
 def test_gpu_preprocessing_finds_the_stock_class_behind_the_copy():
     """`--preprocess-device cuda` looks up the torchvision twin by the PIL class's module and name."""
-    from encode_server.preprocessing.gpu import pil_backend_class
+    from encode_server.preprocessing.gpu import stock_class
 
     for stock in (Qwen2VLImageProcessorPil(), Glm4vImageProcessorPil()):
-        assert pil_backend_class(accelerated(stock)) is type(stock)
+        assert stock_class(accelerated(stock)) is type(stock)
 
 
 def test_gpu_preprocessing_keeps_a_torchvision_copy():
