@@ -15,7 +15,10 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import encode_server
 from encode_server.assembly import build_service, probe_sample, zmq_delivery
@@ -38,6 +41,8 @@ from encode_server.service import EncoderService
 
 log = logging.getLogger("encode_server.startup")
 
+T = TypeVar("T")
+
 
 class StartError(Exception):
     """The server cannot start with these settings; the message names what is wrong and the fix."""
@@ -55,6 +60,32 @@ def check_libraries(settings: Settings) -> None:
             raise StartError(str(exc)) from None
 
 
+def interruptibly(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a daemon thread while the calling thread waits in short timed waits, so that Ctrl-C or
+    SIGTERM ends a start that is blocked in it at once: Python runs a signal's handler in the main thread only
+    when that thread returns to Python code, which a socket read without a timeout (a Hub that accepts and
+    never answers) or a download library's native code never does, and the kernel may deliver the signal to
+    another thread (a BLAS pool's) so that the read is not interrupted either. The daemon thread dies with the
+    process."""
+    outcome: dict[str, object] = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller, as a direct call would raise it
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="model-fetch", daemon=True).start()
+    while not done.wait(0.1):
+        pass
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
+
+
 def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None]:
     """The model this server encodes with, on its device, and the group of its other ranks (None with one
     rank): started, loaded and, with `--tp-size`, sharded. `StartError` if it cannot be."""
@@ -69,7 +100,7 @@ def load_encoder(settings: Settings) -> tuple[EncoderAdapter, WorkerGroup | None
         raise StartError(str(exc)) from None
     try:  # a Hub id becomes its local encoder-only folder here, downloaded once for every rank
         log.info("resolving model %s", settings.model)
-        model = resolve_model(settings.model)
+        model = interruptibly(resolve_model, settings.model)
     except ModelNotFound as exc:  # the message names the model and what it should be
         raise StartError(str(exc)) from None
     except (ValueError, OSError) as exc:
