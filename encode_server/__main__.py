@@ -26,11 +26,20 @@ def _interrupt(signum: int, frame) -> None:
     raise Interrupted(signum)
 
 
+def interrupt_on_signals() -> None:
+    """Before the server is ready, Ctrl-C raises KeyboardInterrupt and SIGTERM `Interrupted` in the main thread,
+    whatever the launcher left them at: a process started in the background without job control, as CI runners
+    and supervisors start it, inherits SIGINT ignored, and uvicorn takes both signals over once it serves anyway,
+    so ignoring Ctrl-C only until then would leave a start that hangs in a download deaf to it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve until a signal. Ctrl-C or SIGTERM before the server is ready (while it downloads, loads or warms up
     the model) exits quietly: one line, status 128 + the signal (130, 143), no traceback."""
     if threading.current_thread() is threading.main_thread():  # uvicorn takes both signals over while it serves
-        signal.signal(signal.SIGTERM, _interrupt)
+        interrupt_on_signals()
     try:
         serve(argv)
     except SystemExit as exc:

@@ -1,5 +1,6 @@
-"""`runtime.interruptibly`: a start blocked in a call that never returns (a Hub that accepts and never answers)
-still ends at a signal, whichever thread the kernel delivered it to."""
+"""Ctrl-C and SIGTERM end a start that is not ready yet: the handlers `__main__` installs whatever the launcher
+left the signals at, and `runtime.interruptibly`, which keeps a start blocked in a call that never returns (a Hub
+that accepts and never answers) within reach of a signal, whichever thread the kernel delivered it to."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from encode_server.__main__ import Interrupted, interrupt_on_signals
 from encode_server.runtime import interruptibly
 
 pytestmark = pytest.mark.quick
@@ -49,3 +51,20 @@ def test_a_signal_delivered_to_another_thread_ends_a_call_blocked_in_a_read_with
         reading.shutdown(socket.SHUT_RDWR)  # frees the daemon thread's read
         reading.close()
         silent.close()
+
+
+def test_a_start_launched_with_sigint_ignored_still_answers_ctrl_c():
+    """A background job without job control (a CI runner, a supervisor) inherits SIGINT ignored; before the server
+    is ready Ctrl-C must still raise in the main thread, as SIGTERM does."""
+    assert threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    try:
+        interrupt_on_signals()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(Interrupted) as raised:
+            signal.raise_signal(signal.SIGTERM)
+        assert raised.value.signum == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
